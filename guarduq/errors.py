@@ -1,0 +1,72 @@
+"""One exception hierarchy: every error guarduq raises on purpose is a ``GuardUQError``.
+
+Callers catch one type; the CLI turns any of them into a one-line message and a non-zero exit.
+Subclasses also inherit the matching builtin (``ValueError``, ``FileNotFoundError``) so code
+written against the builtins keeps working.
+"""
+
+from __future__ import annotations
+
+
+class GuardUQError(Exception):
+    """Base class of every deliberate guarduq error."""
+
+
+class InputError(GuardUQError, ValueError):
+    """A prompt, response or argument that cannot be scored as given."""
+
+
+class ContextLengthError(InputError):
+    """Prompt plus response do not fit in the model's context window."""
+
+
+class ModelNotFoundError(GuardUQError, FileNotFoundError):
+    """A model spec that names nothing loadable (unknown alias, missing path, uncached hub id)."""
+
+
+class ModelLoadError(GuardUQError):
+    """A model file exists but cannot be loaded (corrupt GGUF, broken folder)."""
+
+
+class CacheCorruptError(ModelLoadError):
+    """A guarduq cache entry is unreadable; the message names the path to delete."""
+
+
+class ScoringError(GuardUQError):
+    """Scoring failed for a reason other than bad input."""
+
+
+class DatasetError(GuardUQError, ValueError):
+    """A dataset file is missing, empty, malformed or lacks required columns."""
+
+
+class CalibrationError(GuardUQError):
+    """A calibrator cannot be fit, loaded or applied."""
+
+
+class FingerprintMismatchError(CalibrationError):
+    """An artifact was made for another model (its fingerprint differs)."""
+
+
+class ArtifactError(GuardUQError):
+    """A saved artifact (calibrator JSON, SVE safetensors) is corrupt or of an unknown format."""
+
+
+class PolicyError(GuardUQError, ValueError):
+    """A policy file is invalid or cannot be applied."""
+
+
+class EscalationError(GuardUQError):
+    """An escalation sink failed to accept a case."""
+
+
+class SVEError(GuardUQError, ValueError):
+    """A Singular Value Ensemble cannot be built, trained or loaded as asked."""
+
+
+class GuardUQAbstention(GuardUQError):
+    """Raised instead of returning an abstention message when a caller asks for exceptions."""
+
+    def __init__(self, message: str, decision: object | None = None) -> None:
+        super().__init__(message)
+        self.decision = decision
