@@ -17,7 +17,9 @@ from guarduq.errors import (
     ScoringError,
     SVEError,
 )
-from guarduq.uncertainty import Scores
+from guarduq.guard import Guard, GuardedResponse
+from guarduq.models import LoadedModel, ModelInfo, fingerprint, load_model
+from guarduq.uncertainty import GradientScorer, Scores
 
 __version__ = "0.1.0"
 
@@ -29,14 +31,21 @@ __all__ = [
     "DatasetError",
     "EscalationError",
     "FingerprintMismatchError",
+    "GradientScorer",
+    "Guard",
     "GuardUQAbstention",
     "GuardUQError",
+    "GuardedResponse",
     "InputError",
+    "LoadedModel",
     "ModelLoadError",
+    "ModelInfo",
     "ModelNotFoundError",
     "PolicyError",
     "SVEError",
     "ScoringError",
     "Scores",
     "__version__",
+    "fingerprint",
+    "load_model",
 ]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from guarduq.errors import ContextLengthError, InputError
+from guarduq.errors import InputError
 
 # Every *uncertainty* score follows "higher = more uncertain". Confidence-like quantities
 # (mean_token_prob, mean_logprob, min_token_prob) keep their own names.
@@ -64,3 +64,194 @@ class Scores:
         kw["token_probs"] = tuple(kw.get("token_probs", ()))
         kw.setdefault("timings", {})
         return cls(**kw)
+
+
+# --------------------------------------------------------------------------- parameter selection
+
+_BLOCK_INDEX = re.compile(r"\.(?:layers|h|blocks|block|layer)\.(\d+)\.")
+
+
+def select_parameters(
+    model: nn.Module,
+    patterns: str | Sequence[str] | None = None,
+    last_n_blocks: int | None = None,
+) -> list[tuple[str, nn.Parameter]]:
+    """Parameters that enter the gradient norm (default: all; tied weights once).
+
+    ``patterns`` are regular expressions searched in parameter names; ``last_n_blocks`` keeps the
+    parameters of the last N transformer blocks. Both given: a parameter must satisfy both.
+    """
+    named = list(model.named_parameters())  # de-duplicates tied parameters
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if patterns is not None:
+        try:
+            regexes = [re.compile(p) for p in patterns]
+        except re.error as exc:
+            raise InputError(f"invalid parameter pattern: {exc}") from exc
+        named = [(n, p) for n, p in named if any(r.search(n) for r in regexes)]
+    if last_n_blocks is not None:
+        if last_n_blocks < 1:
+            raise InputError(f"last_n_blocks must be >= 1, got {last_n_blocks}")
+        indices = {int(m.group(1)) for n, _ in named if (m := _BLOCK_INDEX.search(n))}
+        if not indices:
+            raise InputError("last_n_blocks given but no numbered transformer blocks were found")
+        first = max(indices) - last_n_blocks + 1
+        named = [
+            (n, p) for n, p in named if (m := _BLOCK_INDEX.search(n)) and int(m.group(1)) >= first
+        ]
+    if not named:
+        raise InputError("no parameters selected for the gradient norm")
+    return named
+
+
+# --------------------------------------------------------------------------- probabilities
+
+_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """One lock per model: scoring toggles ``requires_grad`` and hooks, shared model state."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
+def response_log_probs(
+    model: nn.Module, input_ids: torch.Tensor, response_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p_t of each response token [T], full log-softmax rows [T, V]) at temperature 1.
+
+    Only the logits that predict response tokens are materialised (``logits_to_keep``).
+    """
+    length = int(input_ids.shape[1])
+    if not 0 < response_start < length:
+        raise InputError("the scored sequence needs at least one prompt and one response token")
+    keep = length - response_start + 1  # positions response_start-1 .. L-1
+    try:
+        logits = model(input_ids=input_ids, logits_to_keep=keep).logits
+    except TypeError:  # models whose forward has no logits_to_keep
+        logits = model(input_ids=input_ids).logits
+    logits = logits[0, -keep:-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
+    log_probs = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[0, response_start:].unsqueeze(-1)
+    return log_probs.gather(-1, targets).squeeze(-1), log_probs
+
+
+def mean_token_prob(model: nn.Module, input_ids: torch.Tensor, response_start: int) -> float:
+    """p̄ for one sequence, forward only (used to rank multiple-choice options)."""
+    with torch.no_grad():
+        tok_logp, _ = response_log_probs(model, input_ids, response_start)
+    return float(tok_logp.exp().mean())
+
+
+# --------------------------------------------------------------------------- the scorer
+
+
+class GradientScorer:
+    """Scores (prompt, response) sequences with one forward and one backward pass.
+
+    Parameters are set in ``__init__`` and nothing is fitted: the scorer reads the model and
+    leaves it exactly as found (training flag, ``requires_grad``, ``.grad``, no hooks left).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        parameters: str | Sequence[str] | None = None,
+        last_n_blocks: int | None = None,
+    ) -> None:
+        self.model = model
+        self.parameters = parameters
+        self.last_n_blocks = last_n_blocks
+        self._selected = select_parameters(model, parameters, last_n_blocks)
+        self.n_params = sum(p.numel() for _, p in self._selected)
+
+    def score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
+        with model_lock(self.model), _scoring_state(self.model, [p for _, p in self._selected]):
+            return self._score(input_ids, response_start)
+
+    def _score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
+        totals = [0.0] * len(self._selected)
+        finite = [True]
+
+        def make_hook(i: int) -> Any:
+            def hook(p: torch.Tensor) -> None:
+                with torch.no_grad():
+                    g = p.grad
+                    sq = float(g.double().pow(2).sum()) if g is not None else 0.0
+                    totals[i] += sq
+                    if not math.isfinite(sq):
+                        finite[0] = False
+                    p.grad = None  # never hold the full gradient
+
+            return hook
+
+        handles = [
+            p.register_post_accumulate_grad_hook(make_hook(i))
+            for i, (_, p) in enumerate(self._selected)
+        ]
+        try:
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                tok_logp, log_probs = response_log_probs(self.model, input_ids, response_start)
+                probs = tok_logp.exp()
+                p_bar = probs.mean()
+                t1 = time.perf_counter()
+                p_bar.backward()
+            t2 = time.perf_counter()
+        finally:
+            for h in handles:
+                h.remove()
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+        pb = float(p_bar.detach())
+        token_probs = tuple(float(x) for x in probs.detach())
+        epistemic = math.fsum(totals)  # fixed order: bit-identical across runs and threads
+        valid, reason = True, None
+        if not all(math.isfinite(x) for x in token_probs):
+            valid, reason = False, "non-finite token probability"
+        elif not finite[0] or not math.isfinite(epistemic):
+            valid, reason = False, "non-finite gradient"
+        return Scores(
+            epistemic=epistemic,
+            aleatoric=pb * (1.0 - pb),
+            mean_token_prob=pb,
+            mean_logprob=float(tok_logp.detach().mean()),
+            min_token_prob=min(token_probs),
+            mean_entropy=float(entropy),
+            n_tokens=len(token_probs),
+            token_probs=token_probs,
+            n_params=self.n_params,
+            valid=valid,
+            reason=reason,
+            timings={"forward_s": t1 - t0, "backward_s": t2 - t1},
+        )
+
+
+class _scoring_state:
+    """Context manager: eval mode, grads only on ``selected``, user state restored on exit."""
+
+    def __init__(self, model: nn.Module, selected: Iterable[nn.Parameter]) -> None:
+        self.model = model
+        self.selected = {id(p) for p in selected}
+
+    def __enter__(self) -> None:
+        self.training = self.model.training
+        self.params = list(self.model.parameters())
+        self.flags = [p.requires_grad for p in self.params]
+        self.grads = [p.grad for p in self.params]
+        self.model.eval()
+        for p in self.params:
+            p.grad = None
+            p.requires_grad_(id(p) in self.selected)
+
+    def __exit__(self, *exc: object) -> None:
+        for p, flag, grad in zip(self.params, self.flags, self.grads, strict=True):
+            p.requires_grad_(flag)
+            p.grad = grad
+        self.model.train(self.training)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +18,7 @@ from guarduq.errors import GuardUQError
 # Modules that define ``register(subparsers)``; each sets ``func`` on its parsers.
 _COMMAND_MODULES = (
     "guarduq.cli.core",
+    "guarduq.cli.sve",
 )
 
 
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_cli_logging(level=[30, 20, 10][min(args.verbose, 2)])
+    if not args.verbose:
+        # Library loading bars and advisories are noise on a CLI; guarduq shows its own progress.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         return int(args.func(args) or 0)
     except GuardUQError as exc:

