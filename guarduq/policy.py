@@ -737,6 +737,8 @@ class Policy:
         ).hexdigest()
         self._provider: SecondOpinionProvider | None = None
         self._sinks: dict[str, Any] | None = None
+        self._calibrated = False  # bound with a calibrator: risk_threshold below is meaningful
+        self.risk_threshold: float | None = None
         self._lock = threading.Lock()
 
     # -- loading
@@ -815,17 +817,21 @@ class Policy:
                 used |= _signals_in(inner.when)
         return used
 
-    def check_model(self, name: str | None, fingerprint: str | None) -> None:
-        """Refuse a model the policy was not written for (its thresholds assume that model)."""
+    def check_model(self, names: str | Collection[str] | None, fingerprint: str | None) -> None:
+        """Refuse a model the policy was not written for (its thresholds assume that model).
+
+        ``model`` in the file matches one of ``names`` exactly, or is a prefix (>= 8 hex digits)
+        of the fingerprint.
+        """
         expected = self.config.model
         if expected is None:
             return
+        names = {names} if isinstance(names, str) else set(names or ())
         fp = (fingerprint or "").lower()
-        ok = expected == name or (len(expected) >= 8 and fp.startswith(expected.lower()))
-        if not ok:
+        if expected not in names and not (len(expected) >= 8 and fp.startswith(expected.lower())):
             raise PolicyError(
                 f"policy {self.name!r} ({self.source}) is for model {expected!r}, "
-                f"but the model is {name!r} (fingerprint {fingerprint})"
+                f"but the model is {sorted(names)} (fingerprint {fingerprint})"
             )
 
     # -- binding the runtime pieces
@@ -836,12 +842,16 @@ class Policy:
         second_opinion: SecondOpinionProvider | Callable[[Any, str], Any] | None = None,
         allow_callables: Collection[str] = (),
         sinks: Mapping[str, Any] | None = None,
+        calibrator: Any = None,
     ) -> Policy:
-        """A copy with its sinks built and its second-opinion provider attached.
+        """A copy with its sinks built, its second-opinion provider attached and, given the
+        calibrator (``guarduq.calibration.Calibrator``), the risk threshold ``alpha`` selects.
 
         Raises ``PolicyError`` when a rule asks for a second opinion and none is given, when a
-        callable sink is not in ``allow_callables``, or when ``sinks`` names an undeclared sink.
+        callable sink is not in ``allow_callables``, when ``sinks`` names an undeclared sink, or
+        when the rules need a calibrated signal the calibrator cannot give.
         """
+        threshold = self._threshold_from(calibrator)
         if self.uses_second_opinion and second_opinion is None:
             names = [r.name for r in self.config.rules if isinstance(r, SecondOpinionRule)]
             raise PolicyError(
@@ -859,7 +869,37 @@ class Policy:
         bound = Policy(self.config, source=self.source, base_dir=self.base_dir, sha256=self.sha256)
         bound._provider = _as_provider(second_opinion) if second_opinion is not None else None
         bound._sinks = built
+        bound._calibrated = calibrator is not None
+        bound.risk_threshold = threshold
         return bound
+
+    def _threshold_from(self, calibrator: Any) -> float | None:
+        used = self.signals_used()
+        if calibrator is None:  # the caller passes risk (and risk_threshold) in the signals
+            return None
+        features = set(getattr(calibrator, "features", ()))
+        for signal, feature in (("epistemic_z", "log_epistemic"), ("aleatoric_z", "aleatoric")):
+            if signal in used and feature not in features:
+                raise PolicyError(
+                    f"policy {self.name!r} uses {signal}, but the calibrator was fitted without "
+                    f"the {feature!r} feature (it has {sorted(features)})"
+                )
+        if self.alpha is None:
+            return None
+        alphas = [t.alpha for t in getattr(calibrator, "thresholds_", ())]
+        if not any(math.isclose(a, self.alpha) for a in alphas):
+            raise PolicyError(
+                f"policy {self.name!r} asks for alpha={self.alpha}, but the calibrator has thresholds "
+                f"for {alphas} only: refit it with --alpha {self.alpha} or change the policy"
+            )
+        threshold = calibrator.threshold_for(self.alpha)
+        if threshold is None:
+            log.warning(
+                "no_certified_threshold", policy=self.name, alpha=self.alpha,
+                detail="no risk threshold met the target on the calibration data; rules comparing "
+                "risk with 'threshold' will not match (fail-closed)",
+            )
+        return None if threshold is None else float(threshold)
 
     def _bound_sinks(self) -> dict[str, Any]:
         with self._lock:
@@ -923,6 +963,8 @@ class Policy:
 
     def _checked_values(self, signals: Mapping[str, Any]) -> dict[str, Any]:
         values = dict(signals)
+        if self._calibrated:
+            values.setdefault(THRESHOLD_SIGNAL, self.risk_threshold)
         missing = sorted(s for s in self.signals_used() if not s.startswith("so.") and s not in values)
         if missing:
             raise PolicyError(f"policy {self.name!r} needs signal(s) {missing} that were not provided")

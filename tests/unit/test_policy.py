@@ -267,7 +267,7 @@ def test_paths_identity_and_model_check(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="is for model 'smollm2-135m-instruct'"):
         policy.check_model("gpt2", "abcdef0123456789")
     by_fp = load(tmp_path, "model: ABCDEF012345\nrules:\n  - {name: a, action: allow}\n")
-    by_fp.check_model("anything", "abcdef0123456789")
+    by_fp.check_model(["anything", "else"], "abcdef0123456789")
     with pytest.raises(PolicyError):
         by_fp.check_model("anything", "ffffff0123456789")
 
@@ -644,3 +644,47 @@ def test_condition_schema_covers_every_signal() -> None:
     keys = {info.alias or name for name, info in Condition.model_fields.items()}
     assert keys == {"all", "any", "not", *BASE_SIGNALS, *SO_NUMERIC, *SO_BOOL}
     assert {"risk", "threshold", "so_mean_prob"} <= TEMPLATE_NAMES
+
+
+# ------------------------------------------------------------------ binding a calibrator
+
+
+class CalibratorStandIn:
+    """The calibrator interface bind() reads (guarduq.calibration.Calibrator has these names)."""
+
+    def __init__(self, thresholds: dict[float, float | None], features=("log_epistemic", "aleatoric")):
+        self.thresholds_ = [SimpleNamespace(alpha=a, threshold=t) for a, t in thresholds.items()]
+        self.features = tuple(features)
+
+    def threshold_for(self, alpha: float) -> float | None:
+        return next(t.threshold for t in self.thresholds_ if math.isclose(t.alpha, alpha))
+
+
+THRESHOLD_RULES = ("rules:\n  - name: ok\n    when: {risk: {le: threshold}}\n    action: allow\n"
+                   "  - {name: rest, action: abstain}\n")
+
+
+def test_bind_takes_the_threshold_alpha_selects(tmp_path: Path) -> None:
+    policy = load(tmp_path, THRESHOLD_RULES).bind(calibrator=CalibratorStandIn({0.2: 0.1, 0.3: 0.4}))
+    assert policy.risk_threshold == 0.4
+    assert policy.decide({"risk": 0.35}).action == "allow"
+    assert policy.decide({"risk": 0.45}).action == "abstain"
+    assert policy.decide({"risk": 0.35, "risk_threshold": 0.3}).action == "abstain"  # explicit wins
+
+
+def test_bind_refuses_an_alpha_the_calibrator_lacks(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"alpha=0.3, but the calibrator has thresholds for \[0.1\]"):
+        load(tmp_path, THRESHOLD_RULES).bind(calibrator=CalibratorStandIn({0.1: 0.2}))
+
+
+def test_bind_with_an_uncertified_alpha_fails_closed(tmp_path: Path) -> None:
+    policy = load(tmp_path, THRESHOLD_RULES).bind(calibrator=CalibratorStandIn({0.3: None}))
+    assert policy.risk_threshold is None
+    assert policy.decide({"risk": 0.0}).action == "abstain"
+
+
+def test_bind_refuses_z_scores_the_calibrator_cannot_give(tmp_path: Path) -> None:
+    body = "rules:\n  - name: a\n    when: {epistemic_z: {gt: 1}}\n    action: abstain\n  - {name: b, action: allow}\n"
+    with pytest.raises(PolicyError, match="without the 'log_epistemic' feature"):
+        load(tmp_path, body).bind(calibrator=CalibratorStandIn({0.3: 0.5}, features=("aleatoric",)))
+    load(tmp_path, body).bind(calibrator=CalibratorStandIn({0.3: 0.5}))
