@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,19 +91,42 @@ class Guard:
         """Generate a reply (greedy unless told otherwise) and score it in the one layout."""
         t0 = time.perf_counter()
         text, ended = self._generate_text(prompt, generation_kwargs)
-        t1 = time.perf_counter()
-        scores = self.score(prompt, text, ended=ended) if text.strip() else invalid_scores(
-            "the model produced an empty response", self.scorer.n_params
-        )
-        t2 = time.perf_counter()
-        return GuardedResponse(
-            text=text,
-            scores=scores,
-            ended=ended,
-            prompt=prompt,
-            model=self.info,
-            timings={"generate_s": t1 - t0, "score_s": t2 - t1},
-        )
+        return self._respond(prompt, text, ended, generate_s=time.perf_counter() - t0)
+
+    def stream(
+        self, prompt: PromptLike, *, stop: Sequence[str] = (), **generation_kwargs: Any
+    ) -> Iterator[str | GuardedResponse]:
+        """Yield the reply's text in pieces as it is generated, then its ``GuardedResponse``.
+
+        The pieces join to exactly ``response.text``, the text that is scored (once, at the end).
+        Generation stops at the first ``stop`` string and the text ends before it; the model did
+        not close its turn there, so the reply is scored with ``ended=False``. Closing the
+        generator early stops the generation.
+        """
+        t0 = time.perf_counter()
+        ids = layout.prompt_ids(self.tokenizer, prompt)
+        layout.check_fits(self.model, len(ids) + 1)
+        gen = self._generation_settings(generation_kwargs)
+        pieces = _TextPieces(self.tokenizer, _check_stops(stop))
+        gen["streamer"] = pieces
+        gen["stopping_criteria"] = [*gen.get("stopping_criteria", []), pieces]
+        worker = threading.Thread(target=pieces.run, args=(self._run_generate, ids, gen), daemon=True)
+        worker.start()
+        try:
+            yield from pieces
+        finally:
+            pieces.halt()
+            worker.join()
+        if pieces.stopped:
+            text, ended = pieces.sent, False
+        else:
+            text, ended = self._decode_reply(pieces.ids, gen["eos_token_id"])
+            if not text.startswith(pieces.sent):  # a tokenizer whose decoding is not prefix-stable
+                log.warning("stream_text_diverged", note="scoring the text that was streamed")
+                text = pieces.sent
+            if len(text) > len(pieces.sent):
+                yield text[len(pieces.sent) :]
+        yield self._respond(prompt, text, ended, generate_s=time.perf_counter() - t0)
 
     def score(self, prompt: PromptLike, response: str, *, ended: bool = True) -> Scores:
         """Score a response produced elsewhere, by teacher forcing."""
@@ -155,11 +180,24 @@ class Guard:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _generate_text(self, prompt: PromptLike, kwargs: dict[str, Any]) -> tuple[str, bool]:
-        ids = layout.prompt_ids(self.tokenizer, prompt)
-        layout.check_fits(self.model, len(ids) + 1)
+    def _respond(self, prompt: PromptLike, text: str, ended: bool, *, generate_s: float) -> GuardedResponse:
+        t1 = time.perf_counter()
+        scores = self.score(prompt, text, ended=ended) if text.strip() else invalid_scores(
+            "the model produced an empty response", self.scorer.n_params
+        )
+        t2 = time.perf_counter()
+        return GuardedResponse(
+            text=text,
+            scores=scores,
+            ended=ended,
+            prompt=prompt,
+            model=self.info,
+            timings={"generate_s": generate_s, "score_s": t2 - t1},
+        )
+
+    def _generation_settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         stops = layout.stop_token_ids(self.tokenizer)
-        gen = {
+        return {
             "max_new_tokens": self.max_new_tokens,
             "do_sample": False,
             "eos_token_id": stops,
@@ -168,6 +206,15 @@ class Guard:
             else stops[0],
             **kwargs,  # the caller's settings win; the model's own config is never mutated
         }
+
+    def _generate_text(self, prompt: PromptLike, kwargs: dict[str, Any]) -> tuple[str, bool]:
+        ids = layout.prompt_ids(self.tokenizer, prompt)
+        layout.check_fits(self.model, len(ids) + 1)
+        gen = self._generation_settings(kwargs)
+        return self._decode_reply(self._run_generate(ids, gen), gen["eos_token_id"])
+
+    def _run_generate(self, ids: list[int], gen: dict[str, Any]) -> list[int]:
+        """The new token ids ``model.generate`` appends to the prompt ``ids``."""
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
         with model_lock(self.model), torch.no_grad():
             was_training = self.model.training
@@ -180,13 +227,102 @@ class Guard:
                 raise InputError(f"invalid generation settings: {str(exc).splitlines()[0]}") from exc
             finally:
                 self.model.train(was_training)
-        new = out[0, len(ids) :].tolist()
-        eos = set(gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]])
+        return out[0, len(ids) :].tolist()
+
+    def _decode_reply(self, new: list[int], eos_token_id: int | list[int]) -> tuple[str, bool]:
+        eos = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
         ended = bool(new) and new[-1] in eos
         if ended:
             new = new[:-1]
         text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text, ended
+
+
+def _check_stops(stop: Any) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = [stop]
+    stops = tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops):
+        raise InputError(f"stop sequences must be non-empty strings, got {stop!r}")
+    return stops
+
+
+_DONE = object()
+
+
+class _TextPieces:
+    """Streamer and stopping criterion for ``Guard.stream`` (``generate`` duck-types both).
+
+    It decodes the generated ids on the generation thread as they arrive and queues only text
+    that can no longer change: a trailing partial UTF-8 character (``\ufffd``) or a possible
+    beginning of a stop string waits for the next token. When a stop string appears, the text
+    is cut before it and generation halts at this step.
+    """
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False  # a stop string was generated
+        self._halted = False  # the consumer went away
+        self._prompt_seen = False
+        self._queue: queue.Queue[Any] = queue.Queue()
+
+    # -- generation thread
+
+    def run(self, generate: Any, ids: list[int], gen: dict[str, Any]) -> None:
+        try:
+            generate(ids, gen)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._queue.put(exc)
+        self._queue.put(_DONE)
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        if self.stopped:
+            return
+        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped = True
+            ready = text[: min(cuts)]
+        else:
+            ready = _stable_prefix(text, self.stops)
+        if len(ready) > len(self.sent) and ready.startswith(self.sent):
+            self._queue.put(ready[len(self.sent) :])
+            self.sent = ready
+
+    def end(self) -> None:
+        pass  # the worker signals the end once generate() has returned or raised
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        halt = self.stopped or self._halted
+        return torch.full((input_ids.shape[0],), halt, dtype=torch.bool, device=input_ids.device)
+
+    # -- consumer thread
+
+    def halt(self) -> None:
+        self._halted = True
+
+    def __iter__(self) -> Iterator[str]:
+        while (item := self._queue.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` less a trailing partial character and any tail that may begin a stop string."""
+    text = text.rstrip("\ufffd")
+    hold = max(
+        (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
+        default=0,
+    )
+    return text[: len(text) - hold]
 
 
 def _as_loaded(model: Any) -> LoadedModel:
