@@ -1,0 +1,55 @@
+"""The core on the real SmolLM2: sensible scores, CLI contract, stable fingerprint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from guarduq import load_model
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+def test_correct_answer_more_confident_than_nonsense(real_guard):
+    good = real_guard.score(QUESTION, "The capital of France is Paris.")
+    bad = real_guard.score(QUESTION, "Purple elephants sing loudly under the frozen toaster.")
+    assert good.valid and bad.valid
+    assert good.mean_token_prob > bad.mean_token_prob
+    assert good.epistemic > 0 and bad.epistemic > 0
+
+
+def test_generate_then_score_reproduces(real_guard):
+    r = real_guard.generate(QUESTION, max_new_tokens=16)
+    assert "Paris" in r.text
+    again = real_guard.score(QUESTION, r.text, ended=r.ended)
+    assert again.epistemic == r.scores.epistemic
+    assert again.token_probs == r.scores.token_probs
+
+
+def test_cli_score_json_contract(real_guard):
+    proc = subprocess.run(
+        [sys.executable, "-m", "guarduq", "score", "--model", "smollm2-135m-instruct",
+         "--prompt", QUESTION, "--response", "Paris.", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["model_fingerprint"] == real_guard.info.fingerprint
+    direct = real_guard.score(QUESTION, "Paris.")
+    assert row["epistemic"] == pytest.approx(direct.epistemic, rel=1e-6)
+    assert row["n_tokens"] == direct.n_tokens and row["valid"] is True
+
+
+def test_fingerprint_stable_across_gguf_and_cached_loads(tmp_path, monkeypatch, real_guard):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cold = load_model("smollm2-135m-instruct")  # dequantizes the GGUF, writes the cache
+    entries = list((tmp_path / "guarduq" / "models").iterdir())
+    assert len(entries) == 1 and (entries[0] / "model.safetensors").is_file()
+    assert not [p for p in entries[0].parent.iterdir() if p.name.startswith(".tmp-")]
+    warm = load_model("smollm2-135m-instruct")  # reads the safetensors cache
+    assert cold.info.fingerprint == warm.info.fingerprint == real_guard.info.fingerprint
