@@ -18,6 +18,7 @@ from guarduq.errors import GuardUQError
 # Modules that define ``register(subparsers)``; each sets ``func`` on its parsers.
 _COMMAND_MODULES = (
     "guarduq.cli.core",
+    "guarduq.cli.calibrate",
     "guarduq.cli.policy",
     "guarduq.cli.sve",
 )

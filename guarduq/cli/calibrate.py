@@ -1,0 +1,276 @@
+"""Calibration sub-commands: ``calibrate``, ``evaluate`` and ``report``.
+
+``calibrate`` scores labelled data with a model (cached, resumable), splits it by id hash into
+fit / threshold / test, fits the risk model, picks guaranteed thresholds and saves the artifact.
+``evaluate`` scores new data with a saved calibrator and says whether each guarantee held.
+``report`` redraws the HTML + PNG report from an artifact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from guarduq.calibration import DEFAULT_FEATURES, FEATURES, Calibrator, Evaluation
+from guarduq.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.errors import CalibrationError, InputError
+from guarduq.models import DEFAULT_MODEL
+
+DEFAULT_ALPHAS = (0.1, 0.2, 0.3)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "calibrate",
+        help="fit a per-model calibrator on labelled data (risk model + guaranteed thresholds)",
+        description="Score labelled datasets with MODEL (resumable cache), fit risk = P(wrong | "
+        "scores) on the fit split, choose thresholds with a finite-sample guarantee on the "
+        "threshold split, report metrics on the held-out test split.",
+    )
+    c.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    _data_args(c)
+    c.add_argument("--alpha", type=float, action="append", help="target max error rate among "
+                   f"accepted answers (repeatable; default {' '.join(map(str, DEFAULT_ALPHAS))})")
+    c.add_argument("--delta", type=float, default=0.1, help="allowed probability that a guarantee fails")
+    c.add_argument("--features", default=",".join(DEFAULT_FEATURES),
+                   help=f"comma-separated features from: {', '.join(FEATURES)}")
+    c.add_argument("--test-fraction", type=float, default=0.3)
+    c.add_argument("--threshold-fraction", type=float, default=0.3)
+    c.add_argument("--out", type=Path, required=True, help="calibrator JSON to write")
+    c.add_argument("--report", type=Path, help="also write the HTML report into this folder")
+    c.set_defaults(func=_cmd_calibrate)
+
+    e = sub.add_parser("evaluate", help="score labelled data with a saved calibrator; check its guarantees")
+    e.add_argument("--calibrator", type=Path, required=True)
+    e.add_argument("--model", help="model spec (default: the model named in the calibrator)")
+    _data_args(e)
+    e.add_argument("--split", choices=("all", "test"), default="all",
+                   help="'test': only items in the held-out split (when the data was used to calibrate)")
+    e.add_argument("--allow-mismatch", action="store_true",
+                   help="use the calibrator on a model with another fingerprint (logged warning)")
+    e.add_argument("--report", type=Path, help="also write the HTML report into this folder")
+    e.set_defaults(func=_cmd_evaluate)
+
+    r = sub.add_parser("report", help="write report.html + PNGs from a calibrator artifact")
+    r.add_argument("calibrator", type=Path)
+    r.add_argument("--out", type=Path, required=True, help="output folder")
+    r.set_defaults(func=_cmd_report)
+
+
+def _data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", action="append", choices=sorted(DATASETS), required=True,
+                   help="dataset kind; pair each with a --data (repeatable, to mix datasets)")
+    p.add_argument("--data", action="append", type=Path, required=True, help="path of the dataset file")
+    p.add_argument("--limit", type=int, help="at most N items per dataset (a stable subset)")
+    p.add_argument("--prompt-style", choices=("auto", *PROMPT_STYLES), default="auto",
+                   help="'fewshot' for base models; 'auto' picks it when the tokenizer has no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="answer length for QA items")
+    p.add_argument("--cache", type=Path, help="scoring cache JSONL (default: under --runs-dir)")
+    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get("GUARDUQ_RUNS", "runs")))
+    p.add_argument("--skip-malformed", action="store_true", help="skip bad rows instead of failing")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--no-progress", action="store_true")
+
+
+# --------------------------------------------------------------------------- shared steps
+
+
+def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
+    if len(args.dataset) != len(args.data):
+        raise InputError(
+            f"--dataset and --data come in pairs: got {len(args.dataset)} --dataset and "
+            f"{len(args.data)} --data"
+        )
+    return [
+        load_dataset(name, path, prompt_style=style, skip_malformed=args.skip_malformed, limit=args.limit)
+        for name, path in zip(args.dataset, args.data, strict=True)
+    ]
+
+
+def _score_all(args: argparse.Namespace, model_spec: str) -> tuple[Any, list[Dataset], list[Any]]:
+    """Load data (fails fast on bad files), then the model, then score every dataset (cached)."""
+    from guarduq.evaluation import check_guard_errors, score_dataset
+    from guarduq.guard import Guard  # heavy import (torch) only when needed
+    from guarduq.layout import has_chat_template
+
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    style = "instruct" if args.prompt_style == "auto" else args.prompt_style
+    datasets = _load_datasets(args, style)
+    guard = Guard(model_spec)
+    if args.prompt_style == "auto" and not has_chat_template(guard.tokenizer):
+        datasets = _load_datasets(args, "fewshot")
+    records = []
+    for ds in datasets:
+        cache = args.cache or _default_cache(args.runs_dir, guard.info.name, ds)
+        recs = score_dataset(
+            guard,
+            ds.items,
+            cache,
+            progress=not args.no_progress,
+            max_new_tokens=args.max_new_tokens,
+            desc=ds.name,
+        )
+        check_guard_errors(recs)
+        records.extend(recs)
+    return guard, datasets, records
+
+
+def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
+    return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
+
+
+def _xy(records: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int], list[str]]:
+    return [r.scores for r in records], [int(r.label) for r in records], [r.dataset for r in records]
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], evaluation: Evaluation, header: str) -> None:
+    if args.json:
+        json.dump(payload, sys.stdout, indent=1, default=_json_default)
+        sys.stdout.write("\n")
+        return
+    from guarduq.report import metrics_rows
+
+    by_name = {"all": evaluation.metrics, **evaluation.per_dataset}
+    headers, rows = metrics_rows(by_name)
+    print(header)
+    print(_text_table(headers, rows))
+    print("\nguarantees (accept when risk <= threshold):")
+    print(_text_table(
+        ["alpha", "delta", "threshold", "coverage", "accepted", "error_rate", "held"],
+        [[g["alpha"], g["delta"], g["threshold"], g["coverage"], g["n_accepted"], g["error_rate"], g["held"]]
+         for g in evaluation.guarantees],
+    ))
+    for g in evaluation.guarantees:
+        if g["threshold"] is None:
+            print(f"  alpha={g['alpha']:g}: NOT MET - {g.get('note')}")
+
+
+def _text_table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(x: Any) -> str:
+        if x is None:
+            return "-"
+        if isinstance(x, bool):
+            return "yes" if x else "no"
+        if isinstance(x, float):
+            return f"{x:.3f}"
+        return str(x)
+
+    cells = [[cell(c) for c in r] for r in rows]
+    short = [h.replace("AUROC ", "auc_") for h in headers]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(short)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(short, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from guarduq.evaluation import summarize
+
+    features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+    alphas = tuple(args.alpha or DEFAULT_ALPHAS)
+    cal = Calibrator(features)  # validates features before the slow part
+    for a in alphas:
+        if not 0 < a < 1:
+            raise InputError(f"--alpha must be in (0, 1), got {a}")
+    if not 0 < args.delta < 1:
+        raise InputError(f"--delta must be in (0, 1), got {args.delta}")
+    guard, datasets, records = _score_all(args, args.model)
+    from guarduq.datasets import split_of
+
+    ok = [r for r in records if r.usable]
+    parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
+    groups = {it.id: (it.group or it.id) for ds in datasets for it in ds.items}
+    for r in ok:
+        key = groups.get(r.id, r.id)
+        parts[split_of(key, test_fraction=args.test_fraction, threshold_fraction=args.threshold_fraction)].append(r)
+    for name, part in parts.items():
+        if not part:
+            raise CalibrationError(
+                f"the '{name}' split is empty ({len(ok)} usable items); use more data (--limit) "
+                "or other --test-fraction / --threshold-fraction"
+            )
+    cal = Calibrator(features, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
+    cal.fit(*_xy(parts["fit"])[:2])
+    cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
+    evaluation = cal.evaluate(*_xy(parts["test"]))
+    cal.attach_evaluation(evaluation)
+    summary = summarize(records)
+    cal.datasets_ = [
+        {
+            **ds.describe(),
+            "prompt_style": ds.prompt_style,
+            "n_usable": summary[ds.name]["usable"],
+            **{f"n_{k}": sum(r.dataset == ds.name for r in v) for k, v in parts.items()},
+        }
+        for ds in datasets
+    ]
+    sha = cal.save(args.out)
+    evaluation.calibrator_sha256 = sha
+    if args.report:
+        from guarduq.report import write_report
+
+        write_report(cal, args.report)
+    payload = {
+        "calibrator": str(args.out),
+        "sha256": sha,
+        "model": {"name": guard.info.name, "fingerprint": guard.info.fingerprint},
+        "split_sizes": {k: len(v) for k, v in parts.items()},
+        "datasets": summary,
+        "thresholds": [t.__dict__ for t in cal.thresholds_],
+        "test": evaluation.to_json(),
+    }
+    header = (
+        f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
+        f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items"
+    )
+    _emit(args, payload, evaluation, header)
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    cal = Calibrator.load(args.calibrator)  # fingerprint checked once the model is loaded
+    spec = args.model or cal.model_name
+    if not spec:
+        raise InputError("the calibrator names no model; pass --model")
+    guard, _, records = _score_all(args, spec)
+    cal.check_model(guard.info.fingerprint, allow_mismatch=args.allow_mismatch)
+    ok = [r for r in records if r.usable and (args.split == "all" or r.split == "test")]
+    if not ok:
+        raise CalibrationError("no usable items to evaluate (empty split, or every item failed)")
+    evaluation = cal.evaluate(*_xy(ok))
+    evaluation.n_invalid += sum(not r.usable for r in records)
+    if args.report:
+        from guarduq.report import write_report
+
+        write_report(evaluation, args.report)
+    header = f"evaluated {args.calibrator} on {len(ok)} items (model {guard.info.name})"
+    _emit(args, evaluation.to_json(), evaluation, header)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from guarduq.report import write_report
+
+    cal = Calibrator.load(args.calibrator)
+    page = write_report(cal, args.out)
+    print(f"report written to {page}")
+    return 0

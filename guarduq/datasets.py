@@ -1,0 +1,564 @@
+"""Labelled evaluation data: loaders that turn public QA / multiple-choice files into ``Item``s.
+
+Each loader is a small subclass of :class:`Dataset` (one per file format), built by the factory
+:func:`load_dataset` from a plain string (``"triviaqa"``, ``"truthfulqa-gen"``, ``"truthfulqa-mc"``,
+``"arc"``, ``"boolq"``, ``"jsonl"``), so CLI flags and YAML can name them.
+
+Every item carries a stable id (the dataset's own id, else a hash of its content) because the
+scoring cache and the calibration / test split are both keyed by it: the same question lands in
+the same split on every run and on every machine.
+
+How an item is labelled depends on its ``kind``:
+
+* ``qa``: the model answers freely; ``grader="alias"`` (TriviaQA) marks the answer correct when its
+  SQuAD-normalised text equals or contains a normalised alias; ``grader="rouge"`` (TruthfulQA
+  generation) marks it correct when its best ROUGE-L against the correct references beats its
+  best ROUGE-L against the incorrect ones (the TruthfulQA paper's automatic metric).
+* ``mc``: the model "chooses" the option with the highest mean token probability; correct when the
+  chosen index is ``answer_index``.
+* ``labelled``: the response and its label come with the data.
+
+Labels are ``1 = correct``, ``0 = wrong`` throughout.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from guarduq._logging import get_logger
+from guarduq.errors import DatasetError
+
+log = get_logger("datasets")
+
+Kind = Literal["qa", "mc", "labelled"]
+PromptStyle = Literal["instruct", "fewshot"]
+Split = Literal["fit", "threshold", "test"]
+PROMPT_STYLES: tuple[str, ...] = ("instruct", "fewshot")
+
+# Short-answer instruction for chat models; the few-shot block is for base models without a
+# chat template, whose free generation would otherwise ramble on past the answer.
+QA_INSTRUCTION = "Answer briefly: {question}"
+FEWSHOT_QA = (
+    "Answer each question briefly.\n\n"
+    "Q: What is the capital of France?\nA: Paris\n\n"
+    "Q: Who wrote the play Romeo and Juliet?\nA: William Shakespeare\n\n"
+    "Q: How many legs does a spider have?\nA: Eight\n\n"
+    "Q: {question}\nA:"
+)
+# A base model's answer ends at the first newline (the next "Q:" would follow).
+FEWSHOT_STOP: tuple[str, ...] = ("\n",)
+
+TRUTHFULQA_NO_COMMENT = "I have no comment."
+
+
+def default_data_dir() -> Path:
+    """``$GUARDUQ_DATA`` or ``../shared/data`` relative to the working directory."""
+    return Path(os.environ.get("GUARDUQ_DATA") or Path("..") / "shared" / "data")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One labelled question. ``prompt`` is exactly what the model is shown (before chat templating)."""
+
+    id: str
+    dataset: str
+    kind: Kind
+    prompt: str
+    question: str
+    grader: Literal["alias", "rouge", "choice", "given"]
+    answers: tuple[str, ...] = ()  # TriviaQA aliases
+    correct_refs: tuple[str, ...] = ()  # TruthfulQA generation references
+    incorrect_refs: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()  # multiple choice, as scored responses
+    answer_index: int | None = None
+    response: str | None = None  # labelled logs
+    label: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    group: str | None = None  # items sharing a source question (TruthfulQA gen/mc) share a split
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def split(self) -> Split:
+        """Which deterministic split (see :func:`split_of`) this item belongs to."""
+        return split_of(self.group or self.id)
+
+    @property
+    def prompt_hash(self) -> str:
+        """Hash of everything that decides the model's input; a changed prompt format re-scores."""
+        payload = json.dumps(
+            [self.prompt, list(self.options), self.response, list(self.stop_strings)],
+            ensure_ascii=False,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- labelling
+
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
+_PUNCT = set(string.punctuation) | {"‘", "’", "“", "”", "–", "—", "´"}
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, drop punctuation and articles, squeeze whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def alias_match(response: str, aliases: Sequence[str]) -> bool:
+    """True when the normalised response equals or contains (as whole words) a normalised alias."""
+    answer = normalize_answer(response)
+    if not answer:
+        return False
+    padded = f" {answer} "
+    for alias in aliases:
+        norm = normalize_answer(alias)
+        if norm and (norm == answer or f" {norm} " in padded):
+            return True
+    return False
+
+
+@lru_cache(maxsize=1)
+def _rouge() -> Any:
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+
+
+def max_rouge_l(response: str, references: Sequence[str]) -> float:
+    """Best ROUGE-L F-measure of ``response`` against any reference (0 for none)."""
+    scorer = _rouge()
+    return max((scorer.score(ref, response)["rougeL"].fmeasure for ref in references), default=0.0)
+
+
+def truthfulqa_label(response: str, correct: Sequence[str], incorrect: Sequence[str]) -> int:
+    """1 when the answer is closer (max ROUGE-L) to a correct reference than to any incorrect one.
+
+    Ties count as wrong: an answer equally close to both sets has not shown it is truthful.
+    """
+    if not response.strip():
+        return 0
+    return int(max_rouge_l(response, correct) > max_rouge_l(response, incorrect))
+
+
+def label_response(item: Item, response: str) -> int:
+    """Label a free-form answer to a ``qa`` item (1 = correct)."""
+    if item.grader == "alias":
+        return int(alias_match(response, item.answers))
+    if item.grader == "rouge":
+        return truthfulqa_label(response, item.correct_refs, item.incorrect_refs)
+    raise DatasetError(f"item {item.id} ({item.kind}) is not labelled from a free-form answer")
+
+
+def label_choice(item: Item, index: int) -> int:
+    """Label a multiple-choice pick (1 = the key)."""
+    if item.kind != "mc" or item.answer_index is None:
+        raise DatasetError(f"item {item.id} is not a multiple-choice item")
+    return int(index == item.answer_index)
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def hash_unit(item_id: str, salt: str = "guarduq-split-v1") -> float:
+    """A number in [0, 1) fixed by the id alone (sha256), the same on every machine."""
+    digest = hashlib.sha256(f"{salt}:{item_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_of(key: str, *, test_fraction: float = 0.3, threshold_fraction: float = 0.3) -> Split:
+    """Deterministic split by id hash.
+
+    The calibration split is ``fit`` (the logistic regression) plus ``threshold`` (the risk
+    thresholds): the finite-sample guarantee needs labels the risk model has not seen.
+    ``test`` is held out for the metrics.
+    """
+    if not (0 <= test_fraction < 1 and 0 <= threshold_fraction < 1 - test_fraction):
+        raise DatasetError(
+            f"bad split fractions: test={test_fraction}, threshold={threshold_fraction}"
+        )
+    u = hash_unit(key)
+    if u >= 1 - test_fraction:
+        return "test"
+    if u >= 1 - test_fraction - threshold_fraction:
+        return "threshold"
+    return "fit"
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+class _RowError(ValueError):
+    """A row that parses but cannot become an item (missing field, bad key)."""
+
+
+def _content_id(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:16]
+
+
+def _require(row: dict[str, Any], key: str, kind: type | tuple[type, ...] = str) -> Any:
+    if key not in row:
+        raise _RowError(f"missing field '{key}'")
+    value = row[key]
+    if not isinstance(value, kind):
+        raise _RowError(f"field '{key}' has type {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        raise _RowError(f"field '{key}' is empty")
+    return value
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Dataset:
+    """Base loader: reads ``path``, builds items, reports bad rows by line number.
+
+    Subclasses set ``name`` and ``kind`` and implement ``_rows`` (parse) and ``_item`` (one row ->
+    one Item). A bad row raises ``DatasetError`` naming its line, unless ``skip_malformed`` is set,
+    in which case it is skipped, logged, and listed in ``skipped``.
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[Kind]
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        prompt_style: PromptStyle = "instruct",
+        skip_malformed: bool = False,
+        limit: int | None = None,
+    ) -> None:
+        if prompt_style not in PROMPT_STYLES:
+            raise DatasetError(f"unknown prompt style {prompt_style!r}; use one of {PROMPT_STYLES}")
+        if limit is not None and limit < 1:
+            raise DatasetError(f"limit must be >= 1, got {limit}")
+        self.path = Path(path)
+        self.prompt_style = prompt_style
+        self.skip_malformed = skip_malformed
+        self.limit = limit
+        if not self.path.is_file():
+            raise DatasetError(f"{self.name}: data file not found: {self.path}")
+        self.sha256 = _sha256(self.path)
+        self.skipped: list[tuple[int, str]] = []
+        self.items = self._load()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Item]:
+        return iter(self.items)
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance recorded in calibrator artifacts."""
+        return {"name": self.name, "file": self.path.name, "sha256": self.sha256, "n": len(self)}
+
+    # -- parsing
+
+    def _load(self) -> list[Item]:
+        items: list[Item] = []
+        seen: set[str] = set()
+        for lineno, row in self._rows():
+            try:
+                if not isinstance(row, dict):
+                    raise _RowError(f"expected an object, got {type(row).__name__}")
+                item = self._item(row)
+                if item.id in seen:
+                    raise _RowError(f"duplicate id {item.id!r}")
+            except _RowError as exc:
+                self._bad(lineno, str(exc))
+                continue
+            seen.add(item.id)
+            items.append(item)
+        if not items:
+            raise DatasetError(f"{self.name}: no usable items in {self.path}")
+        if self.skipped:
+            log.warning(
+                "dataset_rows_skipped",
+                dataset=self.name,
+                path=str(self.path),
+                n=len(self.skipped),
+                lines=[n for n, _ in self.skipped[:20]],
+            )
+        if self.limit is not None and self.limit < len(items):
+            # A stable pseudo-random subset: the `limit` items with the smallest id hash, so a
+            # larger limit extends a smaller one and the cache is reused.
+            keep = set(sorted((it.id for it in items), key=lambda i: hash_unit(i, "limit"))[: self.limit])
+            items = [it for it in items if it.id in keep]
+        return items
+
+    def _bad(self, lineno: int, message: str) -> None:
+        if not self.skip_malformed:
+            raise DatasetError(
+                f"{self.path}: line {lineno}: {message} (pass --skip-malformed / "
+                "skip_malformed=True to skip bad rows)"
+            )
+        self.skipped.append((lineno, message))
+
+    def _rows(self) -> Iterator[tuple[int, Any]]:
+        """JSON Lines by default; blank lines are ignored."""
+        try:
+            with open(self.path, encoding="utf-8-sig") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        yield lineno, json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        self._bad(lineno, f"malformed JSON ({exc.msg} at column {exc.colno})")
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{self.path}: not UTF-8 text ({exc.reason})") from exc
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        raise NotImplementedError
+
+    def _new(self, raw_id: str, question: str, prompt: str | None = None, **fields: Any) -> Item:
+        """An item of this dataset: namespaced id, default QA prompt, stop strings for free text."""
+        return Item(
+            id=f"{self.name}:{raw_id}",
+            dataset=self.name,
+            kind=self.kind,
+            prompt=self.qa_prompt(question) if prompt is None else prompt,
+            question=question,
+            stop_strings=self.stop_strings if self.kind == "qa" else (),
+            **fields,
+        )
+
+    # -- prompts
+
+    def qa_prompt(self, question: str) -> str:
+        template = FEWSHOT_QA if self.prompt_style == "fewshot" else QA_INSTRUCTION
+        return template.format(question=question.strip())
+
+    def mc_options(self, options: Sequence[str]) -> tuple[str, ...]:
+        """Options as scored responses: a base model continues "A:" with a leading space."""
+        prefix = " " if self.prompt_style == "fewshot" else ""
+        return tuple(prefix + o.strip() for o in options)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return FEWSHOT_STOP if self.prompt_style == "fewshot" else ()
+
+
+def _clean_csv_quotes(text: str) -> str:
+    """TriviaQA keeps CSV-style quoting: '"Who wrote ""X""?"' -> 'Who wrote "X"?'."""
+    text = text.strip()
+    if len(text) > 1 and text[0] == text[-1] == '"' and '""' in text:
+        text = text[1:-1].replace('""', '"')
+    return text
+
+
+class TriviaQA(Dataset):
+    """JSONL with ``question`` and ``answers`` (aliases); optional ``id``."""
+
+    name = "triviaqa"
+    kind = "qa"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        question = _clean_csv_quotes(_require(row, "question"))
+        answers = _require(row, "answers", list)
+        aliases = tuple(a for a in answers if isinstance(a, str) and a.strip())
+        if not aliases:
+            raise _RowError("field 'answers' has no non-empty string alias")
+        return self._new(str(row.get("id") or _content_id(question)), question, grader="alias", answers=aliases)
+
+
+class _TruthfulQA(Dataset):
+    """The original TruthfulQA CSV (``Question``, ``Best Answer``, ``Correct Answers``, ...)."""
+
+    columns: ClassVar[tuple[str, ...]] = ("Question", "Best Answer", "Correct Answers", "Incorrect Answers")
+
+    def _rows(self) -> Iterator[tuple[int, Any]]:
+        try:
+            with open(self.path, encoding="utf-8-sig", newline="") as f:
+                reader = csv.DictReader(f)
+                missing = [c for c in self.columns if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise DatasetError(
+                        f"{self.path}: not a TruthfulQA CSV, missing column(s) {missing}; "
+                        f"found {reader.fieldnames}"
+                    )
+                for row in reader:
+                    yield reader.line_num, row
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{self.path}: not UTF-8 text ({exc.reason})") from exc
+        except csv.Error as exc:
+            raise DatasetError(f"{self.path}: malformed CSV: {exc}") from exc
+
+    @staticmethod
+    def _split_refs(text: str | None) -> tuple[str, ...]:
+        return tuple(r.strip() for r in (text or "").split(";") if r.strip())
+
+    def _parts(self, row: dict[str, Any]) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
+        question = _require(row, "Question")
+        best = _require(row, "Best Answer").strip()
+        correct = self._split_refs(row.get("Correct Answers"))
+        incorrect = self._split_refs(row.get("Incorrect Answers"))
+        if not incorrect:
+            raise _RowError("no incorrect answers")
+        return question, best, correct, incorrect
+
+
+class TruthfulQAGen(_TruthfulQA):
+    name = "truthfulqa-gen"
+    kind = "qa"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        question, best, correct, incorrect = self._parts(row)
+        refs = tuple(dict.fromkeys((best, *correct, TRUTHFULQA_NO_COMMENT)))
+        return self._new(
+            _content_id(question),
+            question,
+            grader="rouge",
+            correct_refs=refs,
+            incorrect_refs=incorrect,
+            group=f"truthfulqa:{_content_id(question)}",
+            meta={"category": row.get("Category"), "type": row.get("Type")},
+        )
+
+
+class TruthfulQAMC(_TruthfulQA):
+    """Options: the best answer (index 0) and every incorrect answer (TruthfulQA's MC1 set)."""
+
+    name = "truthfulqa-mc"
+    kind = "mc"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        question, best, _, incorrect = self._parts(row)
+        options = (best, *(o for o in incorrect if o != best))
+        return self._new(
+            _content_id(question),
+            question,
+            grader="choice",
+            options=self.mc_options(options),
+            answer_index=0,
+            group=f"truthfulqa:{_content_id(question)}",
+            meta={"category": row.get("Category"), "type": row.get("Type")},
+        )
+
+
+class ARC(Dataset):
+    """ARC JSONL (``question.stem``, ``question.choices[{label, text}]``, ``answerKey``).
+
+    CommonsenseQA uses the same shape. The options are scored as answers to the bare question
+    (cloze style), so the model is not asked to emit a letter.
+    """
+
+    name = "arc"
+    kind = "mc"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        q = _require(row, "question", dict)
+        stem = _require(q, "stem")
+        choices = _require(q, "choices", list)
+        key = str(_require(row, "answerKey", (str, int))).strip()
+        labels, texts = [], []
+        for c in choices:
+            if not isinstance(c, dict) or "label" not in c or not str(c.get("text", "")).strip():
+                raise _RowError("each choice needs a 'label' and a non-empty 'text'")
+            labels.append(str(c["label"]).strip())
+            texts.append(str(c["text"]))
+        if len(texts) < 2:
+            raise _RowError("fewer than two choices")
+        if key not in labels:
+            raise _RowError(f"answerKey {key!r} is not one of the choice labels {labels}")
+        raw_id = str(row.get("id") or _content_id(stem, *texts))
+        return self._new(
+            raw_id, stem, grader="choice", options=self.mc_options(texts), answer_index=labels.index(key)
+        )
+
+
+class BoolQ(Dataset):
+    """BoolQ JSONL (``question``, ``passage``, ``answer`` as a bool or "true"/"false")."""
+
+    name = "boolq"
+    kind = "mc"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        question = _require(row, "question")
+        passage = _require(row, "passage")
+        answer = _require(row, "answer", (bool, str))
+        if isinstance(answer, str):
+            if answer.strip().lower() not in {"true", "false"}:
+                raise _RowError(f"answer {answer!r} is neither true nor false")
+            answer = answer.strip().lower() == "true"
+        q = question.strip().rstrip("?")
+        q = q[:1].upper() + q[1:]
+        if self.prompt_style == "fewshot":
+            prompt = f"{passage.strip()}\n\nQuestion: {q}?\nAnswer (yes or no):"
+        else:
+            prompt = f"{passage.strip()}\n\nQuestion: {q}? Answer yes or no."
+        return self._new(
+            str(row.get("id") or _content_id(question, passage)),
+            q + "?",
+            prompt,
+            grader="choice",
+            options=self.mc_options(("Yes", "No")),
+            answer_index=0 if answer else 1,
+        )
+
+
+class LabelledJSONL(Dataset):
+    """Already-labelled logs: ``prompt``, ``response``, ``label`` (1/true = correct); optional ``id``."""
+
+    name = "jsonl"
+    kind = "labelled"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        prompt = _require(row, "prompt")
+        response = _require(row, "response")
+        label = _require(row, "label", (bool, int))
+        if int(label) not in (0, 1):
+            raise _RowError(f"label must be 0 or 1 (1 = correct), got {label!r}")
+        raw_id = str(row.get("id") or _content_id(prompt, response))
+        return self._new(raw_id, prompt, prompt, grader="given", response=response, label=int(label))
+
+
+class CommonsenseQA(ARC):
+    """CommonsenseQA JSONL: the ARC shape with five options."""
+
+    name = "commonsenseqa"
+
+
+DATASETS: dict[str, type[Dataset]] = {
+    "triviaqa": TriviaQA,
+    "truthfulqa-gen": TruthfulQAGen,
+    "truthfulqa-mc": TruthfulQAMC,
+    "arc": ARC,
+    "commonsenseqa": CommonsenseQA,
+    "boolq": BoolQ,
+    "jsonl": LabelledJSONL,
+}
+
+
+def load_dataset(
+    name: str,
+    path: str | os.PathLike[str],
+    *,
+    prompt_style: PromptStyle = "instruct",
+    skip_malformed: bool = False,
+    limit: int | None = None,
+) -> Dataset:
+    """Build the loader registered under ``name`` (see ``DATASETS``) for the file at ``path``."""
+    try:
+        cls = DATASETS[name]
+    except KeyError:
+        raise DatasetError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}") from None
+    return cls(path, prompt_style=prompt_style, skip_malformed=skip_malformed, limit=limit)

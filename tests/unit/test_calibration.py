@@ -1,0 +1,380 @@
+"""Calibrator, guaranteed thresholds, metrics, artifact and report, on synthetic scores."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from guarduq.calibration import (
+    Calibrator,
+    Threshold,
+    aurc,
+    brier,
+    clopper_pearson_upper,
+    ece,
+    prr,
+    select_threshold,
+)
+from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
+from guarduq.report import FIGURES, write_report
+from guarduq.uncertainty import Scores
+
+FP = "a" * 32
+
+
+def synthetic(n: int, seed: int = 0) -> tuple[list[dict[str, float]], np.ndarray]:
+    """Score dicts whose label depends on log(epistemic) and aleatoric through a known logistic."""
+    rng = np.random.default_rng(seed)
+    log_e = rng.normal(0.0, 1.5, n)
+    ale = rng.uniform(0.0, 0.25, n)
+    p_wrong = 1 / (1 + np.exp(-(1.2 * log_e + 8 * (ale - 0.12))))
+    labels = (rng.uniform(size=n) >= p_wrong).astype(int)  # 1 = correct
+    pbar = 0.5 + np.sqrt(0.25 - ale)
+    scores = [
+        {
+            "epistemic": float(np.exp(le)),
+            "aleatoric": float(a),
+            "mean_token_prob": float(pb),
+            "mean_logprob": float(np.log(pb) - rng.uniform(0, 0.3)),
+            "min_token_prob": float(pb * rng.uniform(0.2, 1)),
+            "mean_entropy": float(rng.uniform(0, 3)),
+            "n_tokens": int(rng.integers(1, 30)),
+            "valid": True,
+        }
+        for le, a, pb in zip(log_e, ale, pbar, strict=True)
+    ]
+    return scores, labels
+
+
+def fitted(n: int = 600, seed: int = 0) -> tuple[Calibrator, list[dict[str, float]], np.ndarray]:
+    scores, labels = synthetic(n, seed)
+    cal = Calibrator(model_name="tiny", model_fingerprint=FP)
+    cal.fit(scores[: n // 2], labels[: n // 2])
+    cal.fit_thresholds(scores[n // 2 :], labels[n // 2 :], alphas=(0.2, 0.3), delta=0.1)
+    cal.attach_evaluation(cal.evaluate(scores[n // 2 :], labels[n // 2 :], ["a", "b"] * (n // 4)))
+    return cal, scores, labels
+
+
+# --------------------------------------------------------------------------- the risk model
+
+
+def test_matches_a_direct_sklearn_fit() -> None:
+    scores, labels = synthetic(400)
+    cal = Calibrator().fit(scores, labels)
+    X = np.array([[math.log(s["epistemic"]), s["aleatoric"]] for s in scores])
+    ref = make_pipeline(StandardScaler(), LogisticRegression()).fit(X, 1 - labels)
+    np.testing.assert_allclose(cal.predict_risk(scores), ref.predict_proba(X)[:, 1], rtol=1e-6, atol=1e-9)
+    # It learned the true direction: more epistemic uncertainty, more risk.
+    assert cal.pipeline_.named_steps["logistic"].coef_[0][0] > 0
+
+
+def test_optional_features_in_the_given_order() -> None:
+    scores, labels = synthetic(300, seed=1)
+    feats = ("mean_logprob", "n_tokens", "min_token_prob")
+    cal = Calibrator(feats, C=0.5).fit(scores, labels)
+    X = np.array([[s["mean_logprob"], s["n_tokens"], s["min_token_prob"]] for s in scores])
+    ref = make_pipeline(StandardScaler(), LogisticRegression(C=0.5)).fit(X, 1 - labels)
+    np.testing.assert_allclose(cal.predict_risk(scores), ref.predict_proba(X)[:, 1], rtol=1e-6, atol=1e-9)
+
+
+def test_accepts_scores_objects() -> None:
+    scores, labels = synthetic(100, seed=2)
+    objs = [
+        Scores(s["epistemic"], s["aleatoric"], s["mean_token_prob"], s["mean_logprob"], s["min_token_prob"],
+               s["mean_entropy"], s["n_tokens"], (0.5,), 10)
+        for s in scores
+    ]
+    cal = Calibrator().fit(scores, labels)
+    np.testing.assert_allclose(cal.predict_risk(objs), cal.predict_risk(scores))
+    assert cal.risk(objs[0]) == pytest.approx(cal.predict_risk(scores[:1])[0])
+
+
+def test_invalid_scores_are_excluded_when_fitting_and_fail_closed_when_predicting() -> None:
+    scores, labels = synthetic(200, seed=3)
+    bad = [
+        {**scores[0], "valid": False},
+        {**scores[1], "epistemic": float("nan")},
+        {**scores[2], "aleatoric": float("inf")},
+        {**scores[3], "epistemic": -1.0},
+        {k: v for k, v in scores[4].items() if k != "aleatoric"},
+    ]
+    cal = Calibrator().fit(bad + scores[5:], labels)
+    assert cal.n_fit_invalid_ == 5 and cal.n_fit_ == 195
+    ref = Calibrator().fit(scores[5:], labels[5:])
+    np.testing.assert_allclose(cal.predict_risk(scores[5:]), ref.predict_risk(scores[5:]))
+    assert cal.predict_risk(bad).tolist() == [1.0] * 5
+
+
+def test_zero_epistemic_is_floored_not_infinite() -> None:
+    scores, labels = synthetic(100, seed=4)
+    cal = Calibrator().fit(scores, labels)
+    risk = cal.predict_risk([{**scores[0], "epistemic": 0.0}])
+    assert np.isfinite(risk).all() and risk[0] < 1.0
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        (np.ones(50, int), "all 50 fitting labels are 'correct'"),
+        (np.zeros(50, int), "'wrong'"),
+        (np.array([0, 1, 2] * 16 + [0, 1]), "labels must be 0"),
+        (np.array([0, 1] * 10), "got 20 labels for 50 scores"),
+    ],
+)
+def test_bad_labels(labels: np.ndarray, match: str) -> None:
+    scores, _ = synthetic(50)
+    with pytest.raises(CalibrationError, match=match):
+        Calibrator().fit(scores, labels)
+
+
+def test_bad_parameters_and_unfitted_use() -> None:
+    with pytest.raises(CalibrationError, match="unknown feature"):
+        Calibrator(("log_epistemic", "vibes"))
+    with pytest.raises(CalibrationError, match="duplicate"):
+        Calibrator(("aleatoric", "aleatoric"))
+    with pytest.raises(CalibrationError, match="C must be"):
+        Calibrator(C=0)
+    with pytest.raises(CalibrationError, match="not fitted"):
+        Calibrator().predict_risk([])
+    scores, labels = synthetic(5)
+    with pytest.raises(CalibrationError, match="at least"):
+        Calibrator().fit(scores[:3], labels[:3])
+
+
+# --------------------------------------------------------------------------- thresholds
+
+
+def test_clopper_pearson_zero_errors_closed_form() -> None:
+    # With no errors in n trials the exact upper bound solves (1 - p)^n = delta.
+    for n in (5, 30, 200):
+        assert clopper_pearson_upper(0, n, 0.1) == pytest.approx(1 - 0.1 ** (1 / n), rel=1e-9)
+    assert clopper_pearson_upper(3, 3, 0.1) == 1.0
+    assert clopper_pearson_upper(0, 0, 0.1) == 1.0
+    # Monotone in the number of errors.
+    assert clopper_pearson_upper(5, 100, 0.1) < clopper_pearson_upper(10, 100, 0.1)
+
+
+def test_guarantee_holds_across_draws_and_is_not_vacuous() -> None:
+    """Risk r ~ U(0, 1) and wrong ~ Bernoulli(r): the true error among accepted (r <= t) is t / 2.
+
+    So a threshold violates alpha exactly when t > 2 alpha. Over many independent calibration
+    sets the violation frequency must stay <= delta, while the chosen coverage stays useful.
+    """
+    rng = np.random.default_rng(12345)
+    alpha, delta, n, draws = 0.2, 0.1, 400, 400
+    chosen, naive = [], []
+    for _ in range(draws):
+        r = rng.uniform(size=n)
+        wrong = (rng.uniform(size=n) < r).astype(int)
+        t = select_threshold(r, wrong, alpha, delta)
+        chosen.append(t.threshold if t.threshold is not None else -1.0)
+        # The naive rule (loosest t whose *empirical* error <= alpha) for contrast.
+        order = np.argsort(r)
+        emp = np.cumsum(wrong[order]) / np.arange(1, n + 1)
+        ok = np.flatnonzero(emp <= alpha)
+        naive.append(r[order][ok[-1]] if ok.size else -1.0)
+    chosen_arr, naive_arr = np.array(chosen), np.array(naive)
+    violations = np.mean(chosen_arr / 2 > alpha)
+    sd = math.sqrt(delta * (1 - delta) / draws)
+    assert violations <= delta + 2 * sd
+    # Not vacuous: the best possible coverage is 0.4 (t = 2 alpha); we keep most of it.
+    assert np.mean(chosen_arr > 0) > 0.8  # a threshold is found in most draws
+    assert np.median(chosen_arr) > 0.25
+    # And the bound matters: picking by the empirical error alone breaks the target far more often.
+    assert np.mean(naive_arr / 2 > alpha) > 3 * delta
+
+
+def test_threshold_not_met_is_said_plainly() -> None:
+    r = np.linspace(0, 1, 100)
+    wrong = np.ones(100, int)
+    t = select_threshold(r, wrong, 0.1, 0.1)
+    assert t.threshold is None and not t.met and t.coverage == 0.0
+    assert "no risk threshold" in (t.message or "")
+    # Too few items to certify anything even with zero errors: (1 - 0.1)^10 > 0.1.
+    t = select_threshold(np.linspace(0, 1, 10), np.zeros(10, int), 0.1, 0.1)
+    assert t.threshold is None
+
+
+def test_threshold_when_everything_is_right_accepts_all() -> None:
+    t = select_threshold(np.linspace(0, 0.5, 200), np.zeros(200, int), 0.1, 0.1)
+    assert t.threshold is not None and t.coverage == 1.0 and t.errors == 0
+    assert t.upper_bound == pytest.approx(1 - 0.1 ** (1 / 200))
+
+
+def test_fixed_sequence_stops_at_first_failure() -> None:
+    # Low-risk items are all right, then a block of errors, then more right answers: the loose
+    # end has a low overall error, but the sequence must stop before the error block.
+    r = np.arange(300) / 300
+    wrong = np.zeros(300, int)
+    wrong[100:160] = 1
+    t = select_threshold(r, wrong, 0.1, 0.1)
+    assert t.threshold is not None and t.threshold < 160 / 300
+    assert t.error_rate is not None and t.error_rate <= 0.1
+
+
+def test_fit_thresholds_uses_the_calibrated_risk() -> None:
+    scores, labels = synthetic(800, seed=5)
+    cal = Calibrator().fit(scores[:400], labels[:400])
+    ts = cal.fit_thresholds(scores[400:], labels[400:], alphas=(0.3, 0.1), delta=0.05)
+    assert [t.alpha for t in ts] == [0.1, 0.3]
+    direct = select_threshold(cal.predict_risk(scores[400:]), 1 - labels[400:], 0.3, 0.05)
+    assert ts[1] == direct
+    assert cal.threshold_for(0.3) == direct.threshold and cal.threshold_for(0.25) is None
+    with pytest.raises(CalibrationError, match="alpha"):
+        cal.fit_thresholds(scores[400:], labels[400:], alphas=(1.5,))
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_ece_and_brier_on_hand_made_cases() -> None:
+    conf = np.array([0.9, 0.9, 0.9, 0.9, 0.1, 0.1])
+    correct = np.array([1, 1, 1, 0, 0, 0])
+    # bin 0.9: acc 0.75 vs 0.9 (4 items); bin 0.1: acc 0 vs 0.1 (2 items)
+    assert ece(conf, correct) == pytest.approx((4 * 0.15 + 2 * 0.1) / 6)
+    assert brier(conf, correct) == pytest.approx((3 * 0.01 + 0.81 + 2 * 0.01) / 6)
+    assert ece(np.array([1.0, 0.0]), np.array([1, 0])) == 0.0
+
+
+def test_aurc_and_prr() -> None:
+    wrong = np.array([0, 0, 0, 1, 1])
+    oracle = wrong.astype(float)  # wrong ones most uncertain
+    reverse = -oracle
+    assert prr(oracle, wrong) == pytest.approx(1.0)
+    assert prr(reverse, wrong) < 0
+    assert aurc(oracle, wrong) < aurc(reverse, wrong)
+    assert aurc(oracle, wrong) == pytest.approx(np.mean([0, 0, 0, 1 / 4, 2 / 5]))
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 2, 20000)
+    assert abs(prr(rng.uniform(size=20000), w)) < 0.05  # random ranking ~ 0
+    assert prr(oracle, np.zeros(5)) is None
+
+
+def test_evaluate_metrics_and_guarantees() -> None:
+    cal, scores, labels = fitted()
+    test_s, test_y = scores[300:], labels[300:]
+    ev = cal.evaluate(test_s, test_y)
+    m = ev.metrics
+    wrong = 1 - test_y
+    risk = cal.predict_risk(test_s)
+    assert m["n"] == 300 and m["accuracy"] == pytest.approx(test_y.mean())
+    assert m["auroc"]["risk"] == pytest.approx(roc_auc_score(wrong, risk))
+    assert m["auroc"]["epistemic"] == pytest.approx(roc_auc_score(wrong, [s["epistemic"] for s in test_s]))
+    assert m["auroc"]["mean_logprob"] == pytest.approx(roc_auc_score(wrong, [-s["mean_logprob"] for s in test_s]))
+    assert m["auroc"]["risk"] > 0.7  # the synthetic signal is strong
+    assert m["ece_after"] < m["ece_before"]  # p̄ is not a calibrated confidence here; risk is
+    for g, t in zip(ev.guarantees, cal.thresholds_, strict=True):
+        acc = risk <= t.threshold
+        assert g["coverage"] == pytest.approx(acc.mean())
+        assert g["error_rate"] == pytest.approx(wrong[acc].mean())
+        assert g["held"] == (wrong[acc].mean() <= t.alpha)
+    ev_ds = cal.evaluate(test_s, test_y, ["x"] * 100 + ["y"] * 200)
+    assert set(ev_ds.per_dataset) == {"x", "y"} and ev_ds.per_dataset["x"]["n"] == 100
+    out = ev.to_json()
+    for key in ("n", "accuracy", "auroc", "ece_before", "ece_after", "brier", "aurc", "prr", "guarantees"):
+        assert key in out
+    json.dumps(out)
+
+
+def test_evaluate_counts_invalid_items() -> None:
+    cal, scores, labels = fitted()
+    ev = cal.evaluate([{**scores[0], "valid": False}, *scores[1:50]], labels[:50])
+    assert ev.n_invalid == 1 and ev.metrics["n"] == 49
+
+
+# --------------------------------------------------------------------------- artifact
+
+
+def test_artifact_round_trip(tmp_path: Path) -> None:
+    cal, scores, _ = fitted()
+    path = tmp_path / "cal.json"
+    sha = cal.save(path)
+    assert sha == hashlib.sha256(path.read_bytes()).hexdigest() == cal.sha256
+    doc = json.loads(path.read_text())
+    for key in ("format_version", "guarduq_version", "model", "features", "scaler", "logistic",
+                "thresholds", "metrics", "datasets", "created"):
+        assert key in doc
+    loaded = Calibrator.load(path, expected_fingerprint=FP)
+    np.testing.assert_allclose(loaded.predict_risk(scores), cal.predict_risk(scores), rtol=1e-12)
+    assert loaded.thresholds_ == cal.thresholds_
+    assert loaded.features == cal.features and loaded.model_fingerprint == FP
+    assert loaded.sha256 == sha and loaded.threshold_for(0.2) == cal.threshold_for(0.2)
+    assert loaded.evaluation_ is not None
+    assert loaded.evaluation_.metrics["auroc"]["risk"] == pytest.approx(cal.metrics_["auroc"]["risk"], abs=1e-5)
+    assert not list(tmp_path.glob(".cal.json.*"))  # no temp files left
+
+
+def test_cross_fingerprint_refusal_and_logged_override(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cal, scores, _ = fitted()
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    with pytest.raises(FingerprintMismatchError, match="fingerprint"):
+        Calibrator.load(path, expected_fingerprint="b" * 32)
+    logging.getLogger("guarduq").setLevel(logging.WARNING)
+    with caplog.at_level(logging.WARNING, logger="guarduq"):
+        loaded = Calibrator.load(path, expected_fingerprint="b" * 32, allow_mismatch=True)
+    assert "calibrator_fingerprint_mismatch_overridden" in caplog.text
+    assert loaded.predict_risk(scores[:3]).shape == (3,)
+    with pytest.raises(FingerprintMismatchError):
+        cal.check_model("c" * 32)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: "{not json", "not valid JSON"),
+        (lambda d: json.dumps([1, 2]), "not a guarduq calibrator"),
+        (lambda d: json.dumps({**d, "format": "pickle"}), "not a guarduq calibrator"),
+        (lambda d: json.dumps({**d, "format_version": 99}), "version 99"),
+        (lambda d: json.dumps({k: v for k, v in d.items() if k != "scaler"}), "scaler"),
+        (lambda d: json.dumps({**d, "logistic": {**d["logistic"], "coef": [1.0]}}), "lengths"),
+        (lambda d: json.dumps({**d, "scaler": {**d["scaler"], "scale": [0.0, 1.0]}}), "invalid calibrator parameters"),
+        (lambda d: json.dumps({**d, "features": ["log_epistemic", "vibes"]}), "unknown feature"),
+        (lambda d: json.dumps({**d, "logistic": {**d["logistic"], "intercept": "x"}}), "intercept"),
+        (lambda d: json.dumps({**d, "evaluation_data": {"label": [1]}}), "evaluation_data"),
+    ],
+)
+def test_corrupt_artifacts(tmp_path: Path, mutate, match: str) -> None:  # type: ignore[no-untyped-def]
+    cal, _, _ = fitted(200)
+    path = tmp_path / "cal.json"
+    cal.save(path)
+    path.write_text(mutate(json.loads(path.read_text())))
+    with pytest.raises(ArtifactError, match=match):
+        Calibrator.load(path)
+
+
+def test_missing_artifact(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="not found"):
+        Calibrator.load(tmp_path / "nope.json")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_report_writes_html_and_pngs(tmp_path: Path) -> None:
+    cal, _, _ = fitted()
+    cal.save(tmp_path / "cal.json")
+    page = write_report(Calibrator.load(tmp_path / "cal.json"), tmp_path / "rep")
+    html = page.read_text()
+    for name in FIGURES.values():
+        png = tmp_path / "rep" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in html
+    assert f"{cal.metrics_['auroc']['risk']:.3f}" in html
+    assert FP in html
+    with pytest.raises(CalibrationError, match="nothing to report"):
+        write_report(Calibrator().fit(*synthetic(50)), tmp_path / "x")
+
+
+def test_threshold_dataclass_round_trips() -> None:
+    t = Threshold(0.2, 0.1, 0.3, 0.5, 100, 50, 5, 0.1, 0.18)
+    assert Threshold(**json.loads(json.dumps(t.__dict__))) == t and t.met

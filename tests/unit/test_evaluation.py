@@ -1,0 +1,343 @@
+"""Running a guard over a dataset: labelling flow, the resumable cache, and the calibration CLI.
+
+A fake guard (deterministic, no model) checks the per-kind flow; a tiny random Llama saved to a
+folder runs the real ``Guard`` in a subprocess that is killed midway, and the CLI end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guarduq.cli import main
+from guarduq.datasets import load_dataset
+from guarduq.errors import CacheCorruptError, InputError
+from guarduq.evaluation import ScoreCache, score_dataset
+from guarduq.uncertainty import Scores
+from tests.conftest import make_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class _Info:
+    name: str = "fake"
+    fingerprint: str = "f" * 32
+
+
+@dataclass(frozen=True)
+class _Reply:
+    text: str
+    scores: Scores
+    ended: bool = True
+
+
+def _scores(x: float) -> Scores:
+    return Scores(x, x / 4, 1 - x / 2, -x, 0.5, 1.0, 3, (0.5, 0.5, 0.5), 100)
+
+
+class FakeGuard:
+    """Answers from a lookup table; option probabilities from a table; records every call."""
+
+    def __init__(self, answers: dict[str, str] | None = None, option_probs: dict[str, list[float]] | None = None,
+                 fingerprint: str = "f" * 32) -> None:
+        self.info = _Info(fingerprint=fingerprint)
+        self.answers = answers or {}
+        self.table = option_probs or {}
+        self.calls: list[tuple[str, Any]] = []
+        self.tokenizer = None
+
+    def generate(self, prompt: str, **kwargs: Any) -> _Reply:
+        self.calls.append(("generate", kwargs))
+        if "TOO LONG" in prompt:
+            raise InputError("prompt is longer than the model's context")
+        text = next((a for q, a in self.answers.items() if q in prompt), "no idea")
+        return _Reply(text, _scores(len(text) / 10))
+
+    def score(self, prompt: str, response: str, *, ended: bool = True) -> Scores:
+        self.calls.append(("score", response))
+        return _scores(len(response) / 10)
+
+    def option_probs(self, prompt: str, options: list[str]) -> list[float]:
+        self.calls.append(("option_probs", tuple(options)))
+        return next((p for q, p in self.table.items() if q in prompt), [0.1] * len(options))
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# --------------------------------------------------------------------------- per-kind flow
+
+
+def test_qa_items_are_generated_then_labelled(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"id": "1", "question": "Who wrote Hamlet?", "answers": ["William Shakespeare", "Shakespeare"]},
+        {"id": "2", "question": "Capital of Peru?", "answers": ["Lima"]},
+        {"id": "3", "question": "TOO LONG question", "answers": ["x"]},
+    ])
+    guard = FakeGuard({"Hamlet": "It was Shakespeare.", "Peru": "Cusco"})
+    recs = score_dataset(guard, load_dataset("triviaqa", path).items, progress=False, max_new_tokens=24)
+    assert [r.label for r in recs] == [1, 0, None]
+    assert recs[0].response == "It was Shakespeare." and recs[0].scores["epistemic"] == pytest.approx(1.9)
+    assert guard.calls[0] == ("generate", {"max_new_tokens": 24})
+    # The item the model could not take is recorded with its reason, not raised.
+    assert recs[2].error and "context" in recs[2].error and not recs[2].usable
+
+
+def test_mc_items_choose_the_argmax_and_score_that_option(tmp_path: Path) -> None:
+    row = {"id": "m", "question": {"stem": "Which is a mammal?", "choices": [
+        {"label": "A", "text": "shark"}, {"label": "B", "text": "whale"}, {"label": "C", "text": "trout"}]},
+        "answerKey": "B"}
+    path = write_jsonl(tmp_path / "a.jsonl", [row, {**row, "id": "n"}])
+    items = load_dataset("arc", path).items
+    guard = FakeGuard(option_probs={"mammal": [0.2, 0.7, 0.1]})
+    recs = score_dataset(guard, items[:1], progress=False)
+    assert recs[0].choice == 1 and recs[0].response == "whale" and recs[0].label == 1
+    assert ("score", "whale") in guard.calls
+    guard.table = {"mammal": [0.6, 0.3, 0.1]}
+    rec = score_dataset(guard, items[1:], progress=False)[0]
+    assert rec.choice == 0 and rec.label == 0 and rec.option_probs == [0.6, 0.3, 0.1]
+
+
+def test_labelled_items_are_scored_as_given(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "l.jsonl", [{"prompt": "2+2?", "response": "4", "label": 1},
+                                              {"prompt": "2+3?", "response": "six", "label": 0}])
+    guard = FakeGuard()
+    recs = score_dataset(guard, load_dataset("jsonl", path).items, progress=False)
+    assert [(r.response, r.label) for r in recs] == [("4", 1), ("six", 0)]
+    assert [c for c in guard.calls if c[0] != "score"] == []
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def _labelled(tmp_path: Path, n: int) -> Path:
+    return write_jsonl(tmp_path / "l.jsonl", [
+        {"id": str(i), "prompt": f"question {i}?", "response": f"answer {i}", "label": i % 2} for i in range(n)
+    ])
+
+
+def test_rerun_skips_cached_items_and_new_model_rescoring(tmp_path: Path) -> None:
+    items = load_dataset("jsonl", _labelled(tmp_path, 6)).items
+    cache = tmp_path / "cache.jsonl"
+    first = FakeGuard()
+    score_dataset(first, items[:4], cache, progress=False)
+    second = FakeGuard()
+    recs = score_dataset(second, items, cache, progress=False)
+    assert len(second.calls) == 2 and len(recs) == 6
+    assert [r.id for r in recs] == [i.id for i in items]
+    # Another model (fingerprint) scores everything again, into the same file.
+    other = FakeGuard(fingerprint="0" * 32)
+    score_dataset(other, items, cache, progress=False)
+    assert len(other.calls) == 6
+    lines = [json.loads(x) for x in cache.read_text().splitlines()]
+    assert len(lines) == 12 and len({(x["id"], x["model_fingerprint"]) for x in lines}) == 12
+    for key in ("id", "prompt_hash", "model_fingerprint", "response", "label", "scores"):
+        assert key in lines[0]
+
+
+def test_changed_prompt_is_rescored(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "1", "question": "Capital of Peru?", "answers": ["Lima"]}])
+    cache = tmp_path / "c.jsonl"
+    score_dataset(FakeGuard(), load_dataset("triviaqa", path).items, cache, progress=False)
+    g = FakeGuard()
+    score_dataset(g, load_dataset("triviaqa", path, prompt_style="fewshot").items, cache, progress=False)
+    assert len(g.calls) == 1
+
+
+def test_torn_last_line_is_dropped_and_the_file_repaired(tmp_path: Path) -> None:
+    items = load_dataset("jsonl", _labelled(tmp_path, 3)).items
+    cache = tmp_path / "cache.jsonl"
+    score_dataset(FakeGuard(), items[:2], cache, progress=False)
+    with open(cache, "a") as f:
+        f.write('{"id": "jsonl:2", "prompt_ha')  # killed mid-write
+    g = FakeGuard()
+    recs = score_dataset(g, items, cache, progress=False)
+    assert len(g.calls) == 1 and len(recs) == 3
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(x) for x in lines)
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
+    items = load_dataset("jsonl", _labelled(tmp_path, 2)).items
+    cache = tmp_path / "cache.jsonl"
+    score_dataset(FakeGuard(), items, cache, progress=False)
+    cache.write_bytes(cache.read_bytes().rstrip(b"\n"))
+    assert len(ScoreCache(cache).entries) == 2 and cache.read_bytes().endswith(b"\n")
+
+
+def test_corruption_inside_the_cache_is_an_error(tmp_path: Path) -> None:
+    items = load_dataset("jsonl", _labelled(tmp_path, 3)).items
+    cache = tmp_path / "cache.jsonl"
+    score_dataset(FakeGuard(), items, cache, progress=False)
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join([lines[0], "garbage", lines[2]]) + "\n")
+    with pytest.raises(CacheCorruptError, match="line 2"):
+        ScoreCache(cache)
+
+
+# --------------------------------------------------------------------------- real tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(d)
+    make_tokenizer(chat_template=True).save_pretrained(d)
+    return d
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from guarduq import Guard
+    from guarduq.datasets import load_dataset
+    from guarduq.evaluation import score_dataset
+
+    model, data, cache, delay = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    guard = Guard(model)
+    real_score = guard.score
+    def slow_score(*a, **k):  # slow enough that the test can kill it midway
+        time.sleep(delay)
+        return real_score(*a, **k)
+    guard.score = slow_score
+    score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False)
+    """
+)
+
+
+@pytest.mark.slow
+def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from guarduq import Guard
+
+    n = 16
+    data = _labelled(tmp_path, n)
+    cache = tmp_path / "cache.jsonl"
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), str(tiny_model_dir), str(data), str(cache), "0.3"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if cache.exists() and cache.read_text().count("\n") >= 3:
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"worker ended early: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(ScoreCache(cache).entries)
+    assert 3 <= done_before < n, "the kill should land midway"
+
+    guard = Guard(str(tiny_model_dir))
+    scored: list[str] = []
+    real_score = guard.score
+
+    def counting_score(prompt: Any, response: str, **kw: Any) -> Scores:
+        scored.append(response)
+        return real_score(prompt, response, **kw)
+
+    guard.score = counting_score  # type: ignore[method-assign]
+    recs = score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False)
+    assert len(scored) == n - done_before and len(recs) == n
+    ids = [json.loads(x)["id"] for x in cache.read_text().splitlines()]
+    assert len(ids) == n and max(Counter(ids).values()) == 1
+    # The resumed run and the killed one scored with the same model (same fingerprint).
+    assert len({json.loads(x)["model_fingerprint"] for x in cache.read_text().splitlines()}) == 1
+
+
+@pytest.mark.slow
+def test_cli_calibrate_evaluate_report(tmp_path: Path, tiny_model_dir: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # Labels follow the response length, so the tiny model's scores carry some signal.
+    rows = [{"id": str(i), "prompt": f"Say something {i}", "response": "ok" if i % 3 else "a much longer reply " * 2,
+             "label": int(i % 3 != 0)} for i in range(45)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "cal.json"
+    common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    rc = main(["calibrate", "--model", str(tiny_model_dir), *common, "--alpha", "0.2", "--alpha", "0.4",
+               "--delta", "0.2", "--out", str(out), "--report", str(tmp_path / "rep")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "auc_risk" in text and "calibrator written" in text
+    assert (tmp_path / "rep" / "report.html").exists()
+    assert len(list((tmp_path / "runs" / "cache").rglob("*.jsonl"))) == 1
+
+    rc = main(["evaluate", "--calibrator", str(out), "--model", str(tiny_model_dir), *common, "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["n"] == 45
+    assert set(res["auroc"]) >= {"epistemic", "aleatoric", "combined", "mean_logprob", "risk"}
+    for key in ("accuracy", "ece_before", "ece_after", "brier", "aurc", "prr"):
+        assert key in res
+    assert res["accuracy"] == pytest.approx(30 / 45)
+    assert [g["alpha"] for g in res["guarantees"]] == [0.2, 0.4]
+    for g in res["guarantees"]:
+        assert set(g) >= {"alpha", "delta", "threshold", "coverage", "error_rate", "held"}
+
+    rc = main(["report", str(out), "--out", str(tmp_path / "rep2")])
+    assert rc == 0 and (tmp_path / "rep2" / "risk_coverage.png").exists()
+
+
+def test_cli_refuses_another_models_calibrator(tmp_path: Path, tiny_model_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"id": str(i), "prompt": f"p{i}", "response": "r" * (1 + i % 5), "label": int(i % 5 > 1)} for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    other = tmp_path / "other-model"
+    tiny_llama(seed=1).save_pretrained(other)
+    make_tokenizer().save_pretrained(other)
+    common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", str(tiny_model_dir), *common, "--out", str(cal),
+                 "--test-fraction", "0.25", "--threshold-fraction", "0.25"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json"]) == 2
+    assert "fingerprint" in capsys.readouterr().err
+    assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json",
+                 "--allow-mismatch"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dataset", "jsonl", "--dataset", "arc", "--data", "x.jsonl"], "come in pairs"),
+        (["--dataset", "jsonl", "--data", "missing.jsonl"], "not found"),
+        (["--dataset", "jsonl", "--data", "x.jsonl", "--alpha", "1.5"], "alpha"),
+        (["--dataset", "jsonl", "--data", "x.jsonl", "--features", "vibes"], "unknown feature"),
+    ],
+)
+def test_cli_bad_input_is_one_line(tmp_path: Path, argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "x.jsonl", [{"prompt": "p", "response": "r", "label": 1}])
+    assert main(["calibrate", "--model", "no-such-model", *argv, "--out", "c.json"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_cli_malformed_data_needs_the_flag(tmp_path: Path, tiny_model_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "d.jsonl"
+    good = [json.dumps({"id": str(i), "prompt": f"p{i}", "response": "r" * (1 + i % 4), "label": int(i % 4 > 1)})
+            for i in range(40)]
+    data.write_text("\n".join(good[:5] + ["{oops"] + good[5:]) + "\n")
+    common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
+              "--model", str(tiny_model_dir), "--out", str(tmp_path / "c.json"),
+              "--test-fraction", "0.25", "--threshold-fraction", "0.25"]
+    assert main(["calibrate", *common]) == 2
+    assert "line 6: malformed JSON" in capsys.readouterr().err
+    assert main(["calibrate", *common, "--skip-malformed"]) == 0
