@@ -570,12 +570,12 @@ class Check:
     signal: str
     op: str
     value: Any
-    bound: Any
-    result: bool | None  # None: the value is unknown
+    bound: str  # as people read it: "0.5", "threshold 0.31", "[threshold 0.31, 0.75]"
+    result: bool | None  # None: the value or the bound is unknown
 
     def __str__(self) -> str:
         verdict = {True: "yes", False: "no", None: "unknown"}[self.result]
-        return f"{self.signal}={_fmt(self.value)} {self.op} {_fmt_bound(self.bound)}: {verdict}"
+        return f"{self.signal}={_fmt(self.value)} {self.op} {self.bound}: {verdict}"
 
 
 def _fmt(value: Any) -> str:
@@ -586,19 +586,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def _fmt_bound(bound: Any) -> str:
-    if isinstance(bound, tuple):
-        return "[" + ", ".join(_fmt_bound(b) for b in bound) + "]"
-    if isinstance(bound, _Threshold):
-        return f"threshold {_fmt(bound.value)}"
-    return _fmt(bound)
-
-
-@dataclass(frozen=True)
-class _Threshold:
-    value: float
 
 
 @dataclass(frozen=True)
@@ -666,12 +653,10 @@ def _evaluate(cond: Condition, values: Mapping[str, Any], checks: list[Check]) -
     for signal, comp in cond.comparisons():
         value = values[signal]
         for op, raw in comp.operators():
-            bound = _resolve(raw, values)
-            plain = tuple(b.value if isinstance(b, _Threshold) else b for b in bound) if isinstance(
-                bound, tuple) else (bound.value if isinstance(bound, _Threshold) else bound)
-            unknown = value is None or plain is None or (isinstance(plain, tuple) and None in plain)
-            result = None if unknown else _compare(op, value, plain)
-            checks.append(Check(signal, op, value, bound, result))
+            bound, label = _resolve(raw, values)
+            known = value is not None and None not in (bound if isinstance(bound, tuple) else (bound,))
+            result = _compare(op, value, bound) if known else None
+            checks.append(Check(signal, op, value, label, result))
             results.append(result)
     if cond.all_:
         results.append(_all([_evaluate(c, values, checks) for c in cond.all_]))
@@ -683,10 +668,14 @@ def _evaluate(cond: Condition, values: Mapping[str, Any], checks: list[Check]) -
     return _all(results)
 
 
-def _resolve(raw: Any, values: Mapping[str, Any]) -> Any:
+def _resolve(raw: Any, values: Mapping[str, Any]) -> tuple[Any, str]:
+    """A bound as a plain value (None: an uncertified threshold) and as people read it."""
     if isinstance(raw, tuple):
-        return tuple(_resolve(r, values) for r in raw)
-    return _Threshold(values[THRESHOLD_SIGNAL]) if raw == THRESHOLD else raw
+        parts = [_resolve(r, values) for r in raw]
+        return tuple(p for p, _ in parts), "[" + ", ".join(label for _, label in parts) + "]"
+    if raw == THRESHOLD:
+        return values[THRESHOLD_SIGNAL], f"threshold {_fmt(values[THRESHOLD_SIGNAL])}"
+    return raw, _fmt(raw)
 
 
 def _signals_in(cond: Condition | None) -> set[str]:
