@@ -1,0 +1,141 @@
+"""``guarduq sve train``: fit a Singular Value Ensemble on labelled data and save its members.
+
+Two kinds of data:
+
+* ``--dataset sst2``: SST-2 TSV (``sentence``, ``label``), trained as classification over the
+  label words' next-token probabilities (``negative`` / ``positive``);
+* any loader of :mod:`guarduq.datasets` (``arc``, ``triviaqa``, ``truthfulqa-mc``, ...): trained
+  with the language-model loss on the (prompt, correct answer) pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from guarduq.datasets import DATASETS, Item, load_dataset
+from guarduq.errors import DatasetError
+from guarduq.layout import PromptLike
+from guarduq.models import DEFAULT_MODEL, load_model
+from guarduq.sve import KNOWN_TARGETS, SVEnsemble, validate_settings
+
+SST2_LABEL_WORDS = ("negative", "positive")  # index = SST-2 label (0 negative, 1 positive)
+SST2_SYSTEM = "Classify the sentiment of the movie review as positive or negative."
+
+
+def sst2_prompt(sentence: str) -> PromptLike:
+    """The SST-2 prompt: the instruction as a short system turn, the review as the user turn."""
+    return [{"role": "system", "content": SST2_SYSTEM}, {"role": "user", "content": sentence.strip()}]
+
+
+def read_sst2(path: str | os.PathLike[str], limit: int | None = None) -> list[tuple[PromptLike, int]]:
+    """(prompt, label) pairs from a GLUE SST-2 TSV (header ``sentence<TAB>label``, no quoting)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"sst2: data file not found: {path}")
+    out: list[tuple[PromptLike, int]] = []
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if header != ["sentence", "label"]:
+            raise DatasetError(f"{path}: expected the header 'sentence<TAB>label', got {header}")
+        for lineno, row in enumerate(reader, start=2):
+            if len(row) != 2 or row[1] not in ("0", "1") or not row[0].strip():
+                raise DatasetError(f"{path}: line {lineno}: expected a sentence and a 0/1 label")
+            out.append((sst2_prompt(row[0]), int(row[1])))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise DatasetError(f"{path}: no rows")
+    return out
+
+
+def answer_pairs(items: list[Item]) -> list[tuple[PromptLike, str]]:
+    """(prompt, a correct answer) for each item that has one: the LM-loss training data."""
+    pairs: list[tuple[PromptLike, str]] = []
+    for it in items:
+        if it.kind == "mc" and it.answer_index is not None:
+            pairs.append((it.prompt, it.options[it.answer_index]))
+        elif it.answers:
+            pairs.append((it.prompt, it.answers[0]))
+        elif it.correct_refs:
+            pairs.append((it.prompt, it.correct_refs[0]))
+        elif it.response is not None and it.label == 1:
+            pairs.append((it.prompt, it.response))
+    if not pairs:
+        raise DatasetError("the dataset has no items with a correct answer to train on")
+    return pairs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sve", help="Singular Value Ensemble: train members for a second opinion")
+    sve_sub = p.add_subparsers(dest="sve_command", required=True)
+    t = sve_sub.add_parser(
+        "train",
+        help="train SVE members on labelled data and save them (safetensors)",
+        description="Build an M-member Singular Value Ensemble over MODEL, train the members' "
+        "singular values and biases (AdamW, per-member shuffles), and save them bound to the "
+        "model's fingerprint. Re-running with the same --checkpoint resumes.",
+    )
+    t.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    t.add_argument("--dataset", required=True, choices=["sst2", *sorted(DATASETS)],
+                   help="sst2 = classification by label words; others = LM loss on correct answers")
+    t.add_argument("--data", type=Path, required=True, help="the dataset file")
+    t.add_argument("--limit", type=int, help="use at most this many items")
+    t.add_argument("--members", type=int, default=4)
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--batch-size", type=int, default=4, help="items per member per step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--sigma-init", type=float, default=0.05)
+    t.add_argument("--targets", help=f"comma-separated layer names (default all of: {', '.join(KNOWN_TARGETS)})")
+    t.add_argument("--last-n-blocks", type=int, help="only target the last N transformer blocks")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint", type=Path, help="resumable training state (safetensors)")
+    t.add_argument("--checkpoint-every", type=int, default=50)
+    t.add_argument("--out", type=Path, required=True, help="where to save the members (.safetensors)")
+    t.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    validate_settings(args.members, args.targets, args.sigma_init)  # fail before loading anything
+    if args.dataset == "sst2":
+        data: list[Any] = read_sst2(args.data, args.limit)
+        label_words: tuple[str, ...] | None = SST2_LABEL_WORDS
+    else:
+        data = answer_pairs(list(load_dataset(args.dataset, args.data, limit=args.limit)))
+        label_words = None
+    loaded = load_model(args.model)
+    ens = SVEnsemble.from_model(
+        loaded,
+        members=args.members,
+        targets=args.targets,
+        sigma_init=args.sigma_init,
+        last_n_blocks=args.last_n_blocks,
+        seed=args.seed,
+    )
+    ens.fit(
+        data,
+        label_words=label_words,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        checkpoint=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+    )
+    path = ens.save(args.out)
+    tail = ens.history_[-10:]
+    summary = {
+        "out": str(path),
+        "model": loaded.info.name,
+        "fingerprint": loaded.info.fingerprint,
+        "items": len(data),
+        "steps": ens.steps_done_,
+        "final_loss_mean10": sum(tail) / len(tail) if tail else None,
+        "overhead": ens.overhead().to_dict(),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
