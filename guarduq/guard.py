@@ -1,6 +1,7 @@
 """The Guard: generate or take a response, score it, and hand the result on.
 
-One request reads top to bottom in ``Guard.generate``: validate -> generate -> score.
+One request reads top to bottom in ``Guard.generate``: validate -> generate -> score, then, when
+the Guard has a policy (``_respond``): calibrate -> decide (-> escalate, inside the policy) -> audit.
 Everything model-specific lives in ``models``/``layout``/``uncertainty``; this file only orchestrates.
 """
 
@@ -12,8 +13,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,9 +23,12 @@ from tqdm.auto import tqdm
 
 from guarduq import layout
 from guarduq._logging import get_logger
-from guarduq.errors import InputError, ScoringError
+from guarduq.audit import AuditLog, make_record
+from guarduq.calibration import Calibrator, feature_matrix
+from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, LoadedModel, ModelInfo, fingerprint, load_model
+from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.uncertainty import GradientScorer, Scores, mean_token_prob, model_lock
 
 log = get_logger("guard")
@@ -43,6 +47,8 @@ class GuardedResponse:
     model: ModelInfo
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     timings: dict[str, float] = field(default_factory=dict)
+    risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
+    decision: Decision | None = None  # what the policy decided, when the Guard has one
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +59,8 @@ class GuardedResponse:
             "model_fingerprint": self.model.fingerprint,
             **self.scores.to_dict(with_token_probs=False),
             "timings": {**self.scores.timings, **self.timings},
+            **({"risk": self.risk} if self.risk is not None else {}),
+            **({"decision": self.decision.to_dict()} if self.decision is not None else {}),
         }
 
 
@@ -68,6 +76,14 @@ class Guard:
     ``model`` is a spec for :func:`guarduq.load_model` (alias, folder, hub id, ``.gguf``), a
     ``LoadedModel``, or a ``(model, tokenizer)`` pair. ``parameters``/``last_n_blocks`` select
     which parameters enter the epistemic gradient norm (default: all).
+
+    Decisions (all optional): ``policy`` (a ``Policy`` or a YAML path) decides what the user sees;
+    ``calibrator`` (a ``Calibrator`` or a JSON path; default: the one the policy names) turns
+    scores into ``risk``; ``audit`` (an ``AuditLog`` or a path) records every call;
+    ``second_opinion`` (e.g. an ``SVEnsemble``) serves ``second_opinion`` rules; ``sinks``
+    replaces declared escalation sinks by name; ``allow_callables`` lists the exact import paths
+    a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
+    instead of returning a withheld answer.
     """
 
     def __init__(
@@ -77,6 +93,13 @@ class Guard:
         parameters: str | Sequence[str] | None = None,
         last_n_blocks: int | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        policy: Policy | str | os.PathLike[str] | None = None,
+        calibrator: Calibrator | str | os.PathLike[str] | None = None,
+        audit: AuditLog | str | os.PathLike[str] | None = None,
+        second_opinion: SecondOpinionProvider | None = None,
+        sinks: dict[str, Any] | None = None,
+        allow_callables: Collection[str] = (),
+        raise_on_abstain: bool = False,
     ) -> None:
         loaded = _as_loaded(model)
         self.model = loaded.model
@@ -84,6 +107,23 @@ class Guard:
         self.info = loaded.info
         self.max_new_tokens = max_new_tokens
         self.scorer = GradientScorer(self.model, parameters=parameters, last_n_blocks=last_n_blocks)
+        self.policy = Policy.from_yaml(policy) if isinstance(policy, str | os.PathLike) else policy
+        if calibrator is None and self.policy is not None:
+            calibrator = self.policy.calibrator_path
+        if isinstance(calibrator, str | os.PathLike):
+            calibrator = Calibrator.load(calibrator, expected_fingerprint=self.info.fingerprint)
+        self.calibrator = calibrator
+        if self.policy is not None:
+            known_as = {self.info.name}
+            if calibrator is not None and calibrator.model_fingerprint == self.info.fingerprint:
+                known_as.add(calibrator.model_name)
+            self.policy.check_model(known_as, self.info.fingerprint)
+            self.policy = self.policy.bind(
+                second_opinion=second_opinion, allow_callables=allow_callables, sinks=sinks,
+                calibrator=calibrator,
+            )
+        self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
+        self.raise_on_abstain = raise_on_abstain
 
     # ----------------------------------------------------------------- the request flow
 
@@ -127,6 +167,10 @@ class Guard:
             if len(text) > len(pieces.sent):
                 yield text[len(pieces.sent) :]
         yield self._respond(prompt, text, ended, generate_s=time.perf_counter() - t0)
+
+    def guarded(self, prompt: PromptLike, response: str, *, ended: bool = True) -> GuardedResponse:
+        """A response produced elsewhere, through the same score -> decide -> audit flow."""
+        return self._respond(layout.validate_prompt(prompt), layout.validate_response(response), ended)
 
     def score(self, prompt: PromptLike, response: str, *, ended: bool = True) -> Scores:
         """Score a response produced elsewhere, by teacher forcing."""
@@ -180,20 +224,64 @@ class Guard:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _respond(self, prompt: PromptLike, text: str, ended: bool, *, generate_s: float) -> GuardedResponse:
+    def _respond(
+        self, prompt: PromptLike, text: str, ended: bool, *, generate_s: float | None = None
+    ) -> GuardedResponse:
+        """score -> calibrate -> decide (-> escalate) -> audit."""
         t1 = time.perf_counter()
-        scores = self.score(prompt, text, ended=ended) if text.strip() else invalid_scores(
-            "the model produced an empty response", self.scorer.n_params
-        )
+        scores = self._score_or_invalid(prompt, text, ended)
         t2 = time.perf_counter()
-        return GuardedResponse(
+        timings = {"score_s": t2 - t1} if generate_s is None else {"generate_s": generate_s, "score_s": t2 - t1}
+        response = GuardedResponse(
             text=text,
             scores=scores,
             ended=ended,
             prompt=prompt,
             model=self.info,
-            timings={"generate_s": generate_s, "score_s": t2 - t1},
+            timings=timings,
         )
+        if self.policy is None and self.calibrator is None and self.audit is None:
+            return response
+        return self._decide(response)
+
+    def _score_or_invalid(self, prompt: PromptLike, text: str, ended: bool) -> Scores:
+        """With a policy, a scoring failure becomes invalid scores, which its on_error handles."""
+        if not text.strip():
+            return invalid_scores("the model produced an empty response", self.scorer.n_params)
+        try:
+            return self.score(prompt, text, ended=ended)
+        except ScoringError as exc:
+            if self.policy is None:
+                raise
+            return invalid_scores(str(exc), self.scorer.n_params)
+
+    def _decide(self, r: GuardedResponse) -> GuardedResponse:
+        """calibrate -> decide -> audit; the audit line is on disk before the answer returns."""
+        t0 = time.perf_counter()
+        calibrated = calibrate(self.calibrator, r.scores)
+        decision = None
+        if self.policy is not None and not r.scores.valid:
+            decision = self.policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
+        elif self.policy is not None:
+            decision = self.policy.decide(
+                make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
+                request_id=r.request_id, model_fingerprint=self.info.fingerprint,
+            )
+        timings = {**r.timings, "decide_s": time.perf_counter() - t0}
+        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings)
+        if self.audit is not None:
+            self.audit.append(make_record(
+                request_id=r.request_id, model_fingerprint=self.info.fingerprint,
+                policy=self.policy.identity() if self.policy else None,
+                calibrator_sha256=self.calibrator.sha256 if self.calibrator else None,
+                scores=r.scores.to_dict(with_token_probs=False), risk=r.risk,
+                decision=decision.to_dict() if decision else None,
+                latency_s=sum(timings.values()), prompt=r.prompt, response=r.text,
+                log_text=bool(self.policy and self.policy.log_text),
+            ))
+        if decision is not None and self.raise_on_abstain and not decision.shown:
+            raise GuardUQAbstention(decision.text, decision)
+        return r
 
     def _generation_settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         stops = layout.stop_token_ids(self.tokenizer)
@@ -323,6 +411,24 @@ def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
         default=0,
     )
     return text[: len(text) - hold]
+
+
+def calibrate(calibrator: Calibrator | None, scores: Scores) -> dict[str, float]:
+    """``risk`` and the z-scores (``epistemic_z``, ``aleatoric_z``) the calibrator can give.
+
+    The z-scores use the calibrator's own standardisation (its scaler was fitted on this model's
+    calibration data), so 1.0 means one standard deviation above this model's usual value.
+    """
+    if calibrator is None:
+        return {}
+    out = {"risk": calibrator.risk(scores)}
+    x, ok = feature_matrix([scores], calibrator.features)
+    scaler = calibrator.pipeline_.named_steps["scale"]
+    z = (x[0] - scaler.mean_) / scaler.scale_
+    for feature, signal in (("log_epistemic", "epistemic_z"), ("aleatoric", "aleatoric_z")):
+        if feature in calibrator.features:
+            out[signal] = float(z[calibrator.features.index(feature)]) if ok[0] else math.nan
+    return out
 
 
 def _as_loaded(model: Any) -> LoadedModel:
