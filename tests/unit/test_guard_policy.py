@@ -175,3 +175,12 @@ def test_cli_policy_explain(calibrator_path, tmp_path, llama, tokenizer, capsys)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "action   : allow" in out and "match ok: risk=" in out
+
+
+def test_the_sve_result_type_is_accepted_as_a_second_opinion():
+    from guarduq.policy import SecondOpinion
+    from guarduq.sve import SVEOpinion
+
+    opinion = SVEOpinion(member_mean_probs=[0.5, 0.7], mean_prob=0.6, variance=0.01,
+                         mutual_information=0.02, agrees=None)
+    assert SecondOpinion.coerce(opinion) == SecondOpinion(0.6, 0.01, 0.02, None, (0.5, 0.7))
