@@ -121,20 +121,25 @@ def model_lock(model: nn.Module) -> threading.RLock:
 
 
 def response_log_probs(
-    model: nn.Module, input_ids: torch.Tensor, response_start: int
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    response_start: int,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p_t of each response token [T], full log-softmax rows [T, V]) at temperature 1.
 
     Only the logits that predict response tokens are materialised (``logits_to_keep``).
+    ``inputs_embeds``, when given, must be the embedding of ``input_ids``.
     """
     length = int(input_ids.shape[1])
     if not 0 < response_start < length:
         raise InputError("the scored sequence needs at least one prompt and one response token")
     keep = length - response_start + 1  # positions response_start-1 .. L-1
+    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     try:
-        logits = model(input_ids=input_ids, logits_to_keep=keep).logits
+        logits = model(**inputs, logits_to_keep=keep).logits
     except TypeError:  # models whose forward has no logits_to_keep
-        logits = model(input_ids=input_ids).logits
+        logits = model(**inputs).logits
     logits = logits[0, -keep:-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -178,12 +183,12 @@ class GradientScorer:
     def _score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
         totals = [0.0] * len(self._selected)
         finite = [True]
+        vocab = _VocabGradients.attach(self.model, input_ids, self._selected)
 
         def make_hook(i: int) -> Any:
             def hook(p: torch.Tensor) -> None:
                 with torch.no_grad():
-                    g = p.grad
-                    sq = float(g.double().pow(2).sum()) if g is not None else 0.0
+                    sq = _squared_norm(p.grad) if p.grad is not None else 0.0
                     totals[i] += sq
                     if not math.isfinite(sq):
                         finite[0] = False
@@ -194,17 +199,27 @@ class GradientScorer:
         handles = [
             p.register_post_accumulate_grad_hook(make_hook(i))
             for i, (_, p) in enumerate(self._selected)
+            if p.requires_grad  # the LM head may be handled by _VocabGradients instead
         ]
         try:
             t0 = time.perf_counter()
             with torch.enable_grad():
-                tok_logp, log_probs = response_log_probs(self.model, input_ids, response_start)
+                tok_logp, log_probs = response_log_probs(
+                    self.model,
+                    input_ids,
+                    response_start,
+                    inputs_embeds=vocab.embeds,
+                )
                 probs = tok_logp.exp()
                 p_bar = probs.mean()
                 t1 = time.perf_counter()
                 p_bar.backward()
+            for i, value in vocab.contributions().items():
+                totals[i] += value
+                finite[0] = finite[0] and math.isfinite(value)
             t2 = time.perf_counter()
         finally:
+            vocab.detach()
             for h in handles:
                 h.remove()
         with torch.no_grad():
@@ -231,6 +246,112 @@ class GradientScorer:
             reason=reason,
             timings={"forward_s": t1 - t0, "backward_s": t2 - t1},
         )
+
+
+class _VocabGradients:
+    """Gradients of the two [vocab, d] matrices without ever building them.
+
+    An embedding lookup's backward builds a dense [vocab, d] gradient, and so does the LM head
+    (a fifth of SmolLM2 each; both hit the same tensor when tied): most of a naive scorer's peak.
+
+    * Input embedding E: the model is fed ``inputs_embeds`` looked up outside autograd; the
+      gradient w.r.t. them, summed per token id, is E's gradient on the few rows the sequence uses.
+    * LM head G = Dᵀ H (D: gradient w.r.t. the logits [T, V], H: the head's input [T, d]); the
+      head's weight is frozen for the pass and ‖G‖² = Σ (D Dᵀ) ⊙ (H Hᵀ) uses T×T Gram matrices.
+    * Tied: ‖G + E‖² = ‖G‖² + 2⟨G_rows, E⟩ + ‖E‖², with G_rows = D[:, rows]ᵀ H.
+
+    Each route is taken only for a plain ``nn.Embedding`` / bias-free ``nn.Linear`` whose weight
+    is selected; anything else keeps the ordinary per-parameter hook. The result is exact.
+    """
+
+    def __init__(self) -> None:
+        self.emb: nn.Embedding | None = None
+        self.head: nn.Linear | None = None
+        self.emb_index = self.head_index = -1
+        self.embeds: torch.Tensor | None = None
+        self._h: torch.Tensor | None = None
+        self._d: torch.Tensor | None = None
+        self._handle: Any = None
+
+    @classmethod
+    def attach(
+        cls, model: nn.Module, input_ids: torch.Tensor, selected: list[tuple[str, nn.Parameter]]
+    ) -> _VocabGradients:
+        self = cls()
+        index = {id(p): i for i, (_, p) in enumerate(selected)}
+        emb = _call(model, "get_input_embeddings")
+        if isinstance(emb, nn.Embedding) and emb.max_norm is None and id(emb.weight) in index:
+            self.emb, self.emb_index = emb, index[id(emb.weight)]
+            scale = getattr(emb, "embed_scale", 1.0)  # Gemma-style scaled embeddings
+            self.scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
+            self.rows, self.inverse = torch.unique(input_ids[0], return_inverse=True)
+            live = torch.ones_like(self.rows, dtype=torch.bool)
+            if emb.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
+                live = self.rows != emb.padding_idx
+            self.live = live
+            with torch.no_grad():
+                self.embeds = emb(input_ids).detach()
+            self.embeds.requires_grad_(True)
+        head = _call(model, "get_output_embeddings")
+        tied_ok = self.emb is not None or (emb is None or head is None or head.weight is not emb.weight)
+        if isinstance(head, nn.Linear) and head.bias is None and id(head.weight) in index and tied_ok:
+            self.head, self.head_index = head, index[id(head.weight)]
+            head.weight.requires_grad_(False)  # restored by _scoring_state
+            self._handle = head.register_forward_hook(self._capture)
+        return self
+
+    def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        self._h = inputs[0].detach()
+        if output.requires_grad:
+            output.register_hook(self._keep_d)
+
+    def _keep_d(self, grad: torch.Tensor) -> None:
+        self._d = grad.detach()
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+    def contributions(self) -> dict[int, float]:
+        """Squared-norm contribution of each handled parameter, by its index in ``selected``."""
+        out: dict[int, float] = {}
+        with torch.no_grad():
+            g_rows = None
+            if self.head is not None:
+                d = self._d.reshape(-1, self._d.shape[-1]).double() if self._d is not None else None
+                h = self._h.reshape(-1, self._h.shape[-1]).double() if self._h is not None else None
+                if d is None or h is None:
+                    out[self.head_index] = 0.0
+                else:
+                    out[self.head_index] = float(((d @ d.T) * (h @ h.T)).sum())
+                    if self.emb is not None and self.head.weight is self.emb.weight:
+                        g_rows = d[:, self.rows].T @ h
+            if self.emb is not None:
+                d_out = self.embeds.grad[0].double() * self.scale
+                e = torch.zeros(len(self.rows), d_out.shape[-1], dtype=torch.float64)
+                e.index_add_(0, self.inverse, d_out)
+                e = e * self.live.unsqueeze(-1)
+                cross = 2.0 * float((g_rows * e).sum()) if g_rows is not None else 0.0
+                out[self.emb_index] = out.get(self.emb_index, 0.0) + cross + float((e * e).sum())
+        return out
+
+
+def _call(model: nn.Module, name: str) -> Any:
+    fn = getattr(model, name, None)
+    try:
+        return fn() if callable(fn) else None
+    except NotImplementedError:
+        return None
+
+
+def _squared_norm(g: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """‖g‖² accumulated in float64, one chunk at a time (no full float64 copy of ``g``)."""
+    flat = g.reshape(-1)
+    total = 0.0
+    for part in flat.split(chunk):
+        d = part.double()
+        total += float(torch.dot(d, d))
+    return total
 
 
 class _scoring_state:

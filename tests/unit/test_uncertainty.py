@@ -34,10 +34,19 @@ def naive_epistemic(model, enc, params=None):
     return float(flat @ flat)
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
-def test_epistemic_matches_naive_full_gradient(make, tokenizer):
+@pytest.mark.parametrize(
+    ("make", "prompt"),
+    [
+        (tiny_llama, PROMPT),
+        (lambda: tiny_llama(tie=False), PROMPT),
+        (tiny_llama, "Padding <pad> inside the prompt?"),  # the padding row gets no gradient
+        (tiny_gpt2, PROMPT),
+    ],
+    ids=["llama-tied", "llama-untied", "llama-padding-token", "gpt2"],
+)
+def test_epistemic_matches_naive_full_gradient(make, prompt, tokenizer):
     model = make()
-    enc = layout.encode(tokenizer, model, PROMPT, RESPONSE)
+    enc = layout.encode(tokenizer, model, prompt, RESPONSE)
     scores = GradientScorer(model).score(enc.input_ids, enc.response_start)
     expected = naive_epistemic(model, enc)
     assert expected > 0
@@ -137,6 +146,7 @@ def test_model_left_exactly_as_found(tokenizer):
         else:
             assert p.grad is None, n
         assert not getattr(p, "_post_accumulate_grad_hooks", None), n
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_train_mode_model_scored_in_eval_mode(tokenizer):
