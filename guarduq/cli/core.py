@@ -65,13 +65,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores")
     d.add_argument("--model", default=DEFAULT_MODEL)
     d.add_argument("--max-new-tokens", type=int, default=40)
+    d.add_argument("--policy", type=Path, help="apply a YAML policy (e.g. policies/default.yaml)")
     d.set_defaults(func=_cmd_demo)
 
 
-def _guard(spec: str) -> Any:
+def _guard(spec: str, **kwargs: Any) -> Any:
     from guarduq.guard import Guard  # heavy import (torch, transformers) only when needed
 
-    return Guard(spec)
+    return Guard(spec, **kwargs)
 
 
 def _row(guard: Any, scores: Any, **extra: Any) -> dict[str, Any]:
@@ -136,7 +137,9 @@ def _print_human(row: dict[str, Any]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    guard = _guard(args.model)
+    guard = _guard(args.model, **({"policy": args.policy} if args.policy else {}))
+    if guard.policy is not None:
+        print(f"policy {guard.policy.name} v{guard.policy.version} ({args.policy})")
     print(f"model {guard.info.name}  fingerprint {guard.info.fingerprint}  "
           f"params {guard.info.n_params:,}\n")
     rows = []
@@ -151,14 +154,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def demo_table(rows: list[tuple[str, Any]], width: int = 58) -> str:
+    """Question, answer and scores; with a policy also the risk, the action and what is shown."""
+    decided = any(r.decision is not None for _, r in rows)
     head = f"{'prompt / answer':<{width}} {'p̄':>6} {'epistemic':>10} {'aleatoric':>9}"
+    if decided:
+        head += f" {'risk':>6}  decision"
     lines = [head, "-" * len(head)]
     for prompt, r in rows:
         s = r.scores
         answer = " ".join(r.text.split()) + ("" if r.ended else " …")
         lines.append(f"Q: {prompt[: width - 3]}")
-        lines.append(
+        row = (
             f"A: {answer[: width - 3]:<{width - 3}} {s.mean_token_prob:>6.3f} "
             f"{s.epistemic:>10.4g} {s.aleatoric:>9.3f}"
         )
+        if decided and r.decision is not None:
+            risk = f"{r.risk:>6.2f}" if r.risk is not None else f"{'-':>6}"
+            row += f" {risk}  {r.decision.action} ({r.decision.rule})"
+        lines.append(row)
+        if decided and r.decision is not None and not r.decision.shown:
+            lines.append(f"   shown to the user: {' '.join(r.decision.text.split())[:width + 30]}")
     return "\n".join(lines)
