@@ -35,14 +35,16 @@ test: $(STAMP)
 test-unit: $(STAMP)
 	@$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
 
-# Refit the default model's shipped calibrator from ../shared/data (see README).
+# Refit the default model's shipped calibrator from ../shared/data (see docs/calibration/README.md).
+# Scoring is cached under runs/cache and resumes: a larger CAL_LIMIT extends the same subset.
+CAL_LIMIT ?= 50
 calibrator: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model smollm2-135m-instruct \
 	  --dataset truthfulqa-mc --data $${GUARDUQ_DATA:-../shared/data}/truthfulqa/TruthfulQA.csv \
 	  --dataset arc --data $${GUARDUQ_DATA:-../shared/data}/arc_easy/ARC-Easy-Dev.jsonl \
 	  --dataset triviaqa --data $${GUARDUQ_DATA:-../shared/data}/triviaqa/triviaqa_dev_1k.jsonl \
-	  --limit 400 --alpha 0.2 --alpha 0.3 --delta 0.1 \
-	  --out policies/calibrators/smollm2-135m-instruct.json
+	  --limit $(CAL_LIMIT) --alpha 0.2 --alpha 0.3 --alpha 0.5 --delta 0.1 \
+	  --out policies/calibrators/smollm2-135m-instruct.json --report docs/calibration/default
 
 lint: $(STAMP)
 	@$(VENV)/bin/ruff check guarduq tests benchmarks examples

@@ -252,7 +252,7 @@ def select_threshold(
 def auroc(wrong: np.ndarray, signal: np.ndarray) -> float | None:
     """AUROC of ``signal`` (higher = more uncertain) for detecting wrong answers; None if one class."""
     wrong = np.asarray(wrong)
-    if wrong.min(initial=0) == wrong.max(initial=0) or wrong.size < 2:
+    if np.unique(wrong).size < 2:
         return None
     return float(roc_auc_score(wrong, signal))
 
@@ -547,6 +547,7 @@ class _Artifact(BaseModel):
     thresholds: list[_ThresholdModel]
     metrics: dict[str, Any]
     datasets: list[_DatasetRef]
+    split: dict[str, float] | None = None
     evaluation_data: dict[str, list[Any]] | None = None
 
 
@@ -585,6 +586,7 @@ class Calibrator:
         self.thresholds_: list[Threshold] = []
         self.metrics_: dict[str, Any] = {}
         self.datasets_: list[dict[str, Any]] = []
+        self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
         self.evaluation_: Evaluation | None = None
         self._sha256: str | None = None
         self.created_: str | None = None
@@ -681,14 +683,13 @@ class Calibrator:
         scores = list(scores)
         y = _labels(labels, len(scores))
         _, ok = feature_matrix(scores, self.features)
-        dicts = [as_score_dict(s) for s in scores]
-        # Raw signals must be finite too, or AUROCs would be computed on NaNs.
-        for i, d in enumerate(dicts):
-            if ok[i] and not all(_finite(d.get(k)) for k in EVAL_FIELDS if k != "risk"):
-                ok[i] = False
-        risk = self.predict_risk(scores)
-        signals = {k: np.array([float(d[k]) for d, o in zip(dicts, ok, strict=True) if o]) for k in EVAL_FIELDS if k != "risk"}
-        signals["risk"] = risk[ok]
+        raw_fields = [k for k in EVAL_FIELDS if k != "risk"]
+        raw = np.array(
+            [[_as_float(as_score_dict(s).get(k)) for k in raw_fields] for s in scores], dtype=float
+        ).reshape(len(scores), len(raw_fields))
+        ok &= np.isfinite(raw).all(axis=1)  # raw signals must be finite too, or AUROCs see NaNs
+        signals = {k: raw[ok, j] for j, k in enumerate(raw_fields)}
+        signals["risk"] = self.predict_risk(scores)[ok]
         ds = np.asarray(datasets, dtype=str)[ok] if datasets is not None else None
         return Evaluation.from_arrays(
             y[ok],
@@ -756,6 +757,7 @@ class Calibrator:
             "thresholds": [asdict(t) for t in self.thresholds_],
             "metrics": _jsonable(self.metrics_),
             "datasets": self.datasets_,
+            "split": self.split_,
             "evaluation_data": self.evaluation_.data_dict()
             if include_evaluation_data and self.evaluation_ is not None
             else None,
@@ -774,6 +776,7 @@ class Calibrator:
                 f.write(raw)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; an artifact is meant to be shared
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -856,6 +859,7 @@ class Calibrator:
         self.thresholds_ = [Threshold(**t.model_dump()) for t in art.thresholds]
         self.metrics_ = art.metrics
         self.datasets_ = [d.model_dump() for d in art.datasets]
+        self.split_ = art.split
         self.created_ = art.created
         if art.evaluation_data:
             try:
@@ -873,11 +877,11 @@ class Calibrator:
         return f"Calibrator(features={list(self.features)}, model={self.model_name!r}, {fitted})"
 
 
-def _finite(x: Any) -> bool:
+def _as_float(x: Any) -> float:
     try:
-        return math.isfinite(float(x))
+        return float(x)
     except (TypeError, ValueError):
-        return False
+        return math.nan
 
 
 def _jsonable(obj: Any) -> Any:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,10 @@ def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
     ]
 
 
-def _score_all(args: argparse.Namespace, model_spec: str) -> tuple[Any, list[Dataset], list[Any]]:
-    """Load data (fails fast on bad files), then the model, then score every dataset (cached)."""
+def _score_all(
+    args: argparse.Namespace, model_spec: str, check: Callable[[Any], None] | None = None
+) -> tuple[Any, list[Dataset], list[Any]]:
+    """Load data (fails fast on bad files), then the model (``check`` it), then score (cached)."""
     from guarduq.evaluation import check_guard_errors, score_dataset
     from guarduq.guard import Guard  # heavy import (torch) only when needed
     from guarduq.layout import has_chat_template
@@ -106,6 +108,8 @@ def _score_all(args: argparse.Namespace, model_spec: str) -> tuple[Any, list[Dat
     style = "instruct" if args.prompt_style == "auto" else args.prompt_style
     datasets = _load_datasets(args, style)
     guard = Guard(model_spec)
+    if check is not None:
+        check(guard)
     if args.prompt_style == "auto" and not has_chat_template(guard.tokenizer):
         datasets = _load_datasets(args, "fewshot")
     records = []
@@ -127,6 +131,14 @@ def _score_all(args: argparse.Namespace, model_spec: str) -> tuple[Any, list[Dat
 def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
     return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
+
+
+def _splitter(datasets: Sequence[Dataset], fractions: dict[str, float]) -> Callable[[Any], str]:
+    """record -> its split, keyed by the item's group (TruthfulQA gen/mc share a question)."""
+    from guarduq.datasets import split_of
+
+    groups = {it.id: (it.group or it.id) for d in datasets for it in d.items}
+    return lambda record: split_of(groups.get(record.id, record.id), **fractions)
 
 
 def _xy(records: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int], list[str]]:
@@ -194,14 +206,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not 0 < args.delta < 1:
         raise InputError(f"--delta must be in (0, 1), got {args.delta}")
     guard, datasets, records = _score_all(args, args.model)
-    from guarduq.datasets import split_of
-
     ok = [r for r in records if r.usable]
+    fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    groups = {it.id: (it.group or it.id) for ds in datasets for it in ds.items}
+    split = _splitter(datasets, fractions)
     for r in ok:
-        key = groups.get(r.id, r.id)
-        parts[split_of(key, test_fraction=args.test_fraction, threshold_fraction=args.threshold_fraction)].append(r)
+        parts[split(r)].append(r)
     for name, part in parts.items():
         if not part:
             raise CalibrationError(
@@ -209,6 +219,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                 "or other --test-fraction / --threshold-fraction"
             )
     cal = Calibrator(features, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
+    cal.split_ = fractions
     cal.fit(*_xy(parts["fit"])[:2])
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
@@ -247,17 +258,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    cal = Calibrator.load(args.calibrator)  # fingerprint checked once the model is loaded
+    cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
     spec = args.model or cal.model_name
     if not spec:
         raise InputError("the calibrator names no model; pass --model")
-    guard, _, records = _score_all(args, spec)
-    cal.check_model(guard.info.fingerprint, allow_mismatch=args.allow_mismatch)
-    ok = [r for r in records if r.usable and (args.split == "all" or r.split == "test")]
+    guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
+        args, spec, lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch)
+    )
+    split = _splitter(datasets, cal.split_ or {})
+    selected = [r for r in records if args.split == "all" or split(r) == "test"]
+    ok = [r for r in selected if r.usable]
     if not ok:
         raise CalibrationError("no usable items to evaluate (empty split, or every item failed)")
     evaluation = cal.evaluate(*_xy(ok))
-    evaluation.n_invalid += sum(not r.usable for r in records)
+    evaluation.n_invalid += len(selected) - len(ok)  # unscorable items (errors, invalid scores)
     if args.report:
         from guarduq.report import write_report
 

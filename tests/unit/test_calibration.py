@@ -19,6 +19,7 @@ from guarduq.calibration import (
     Calibrator,
     Threshold,
     aurc,
+    auroc,
     brier,
     clopper_pearson_upper,
     ece,
@@ -244,6 +245,15 @@ def test_ece_and_brier_on_hand_made_cases() -> None:
     assert ece(conf, correct) == pytest.approx((4 * 0.15 + 2 * 0.1) / 6)
     assert brier(conf, correct) == pytest.approx((3 * 0.01 + 0.81 + 2 * 0.01) / 6)
     assert ece(np.array([1.0, 0.0]), np.array([1, 0])) == 0.0
+
+
+def test_auroc_is_none_for_one_class() -> None:
+    assert auroc(np.ones(5, int), np.arange(5.0)) is None
+    assert auroc(np.zeros(5, int), np.arange(5.0)) is None
+    assert auroc(np.array([0, 1]), np.array([0.1, 0.9])) == 1.0
+    cal, scores, labels = fitted()
+    ev = cal.evaluate(scores[:40], np.ones(40, int))
+    assert all(v is None for v in ev.metrics["auroc"].values()) and ev.metrics["prr"] is None
 
 
 def test_aurc_and_prr() -> None:

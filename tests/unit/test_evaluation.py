@@ -302,11 +302,16 @@ def test_cli_refuses_another_models_calibrator(tmp_path: Path, tiny_model_dir: P
     make_tokenizer().save_pretrained(other)
     common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
     cal = tmp_path / "cal.json"
-    assert main(["calibrate", "--model", str(tiny_model_dir), *common, "--out", str(cal),
+    assert main(["calibrate", "--model", str(tiny_model_dir), *common, "--out", str(cal), "--json",
                  "--test-fraction", "0.25", "--threshold-fraction", "0.25"]) == 0
-    capsys.readouterr()
+    n_test = json.loads(capsys.readouterr().out)["split_sizes"]["test"]
+    # --split test re-uses the calibrator's own split fractions, so it sees exactly its test items.
+    assert main(["evaluate", "--calibrator", str(cal), "--model", str(tiny_model_dir), *common, "--json",
+                 "--split", "test"]) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == n_test
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json"]) == 2
     assert "fingerprint" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "cache" / "other-model").exists()  # refused before scoring
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json",
                  "--allow-mismatch"]) == 0
 
