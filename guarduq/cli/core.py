@@ -173,5 +173,5 @@ def demo_table(rows: list[tuple[str, Any]], width: int = 58) -> str:
             row += f" {risk}  {r.decision.action} ({r.decision.rule})"
         lines.append(row)
         if decided and r.decision is not None and not r.decision.shown:
-            lines.append(f"   shown to the user: {' '.join(r.decision.text.split())[:width + 30]}")
+            lines.append(f"   shown to the user: {' '.join(r.decision.text.split())}")
     return "\n".join(lines)

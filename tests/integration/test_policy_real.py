@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from guarduq import Guard
 from guarduq.models import LoadedModel
@@ -39,8 +40,10 @@ def policy_guard(real_guard, tmp_path_factory) -> Guard:
 
 
 def test_default_policy_allows_and_abstains_on_real_answers(policy_guard):
-    threshold = policy_guard.policy.risk_threshold
-    assert threshold is not None, "the shipped calibrator certifies no threshold at the policy's alpha"
+    # default.yaml allows when calibrated risk <= a bound (read from the file, not from the code)
+    rule = yaml.safe_load(DEFAULT_POLICY.read_text())["rules"][0]
+    assert rule["action"] == "allow"
+    threshold = float(rule["when"]["risk"]["le"])
     results = [policy_guard.guarded(p, r) for p, r in PAIRS]
     for res in results:
         d = res.decision
