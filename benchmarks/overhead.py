@@ -6,7 +6,8 @@
 2. memory: peak RSS added while scoring, lean (per-parameter hooks, gradients freed at once) vs
    naive (``torch.autograd.grad`` over all parameters), each in a fresh subprocess, as a
    fraction of the model's fp32 size;
-3. load: cached safetensors load / cold GGUF dequantization, in a throw-away cache folder.
+3. load: cached safetensors load / cold GGUF dequantization, in a throw-away cache folder
+   (library imports excluded: they cost the same on both paths).
 
 Absolute seconds depend on the machine (and on anything else running); the ratios are the claim.
 """
@@ -89,7 +90,7 @@ def load_times() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "XDG_CACHE_HOME": tmp}
         code = (
-            "import time; t=time.perf_counter(); from guarduq import load_model; "
+            "import time; from guarduq import load_model; t=time.perf_counter(); "
             "load_model('smollm2-135m-instruct'); print(time.perf_counter()-t)"
         )
         cold, warm = (
