@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _pages import write_page  # benchmarks/_pages.py (script folder on sys.path)
 from tqdm.auto import tqdm
 
 from guarduq import Guard, layout
@@ -44,7 +45,6 @@ from guarduq.models import load_model
 from guarduq.uncertainty import Scores, model_lock
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 DATA_FILES = {
     "truthfulqa-mc": "truthfulqa/TruthfulQA.csv",
@@ -352,18 +352,6 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_page(path: Path, body: str) -> None:
-    block = f"{BEGIN}\n{body}\n{END}"
-    if path.exists() and BEGIN in (old := path.read_text()) and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = f"# QA benchmark: guarduq vs baselines\n\n{block}\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -404,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_rocs(cells, args.out_dir / "qa_roc.png")
     plot_times(cells, args.out_dir / "qa_time.png")
-    write_page(args.out_dir / "qa.md", render(cells, args, time.perf_counter() - t0))
+    write_page(args.out_dir / "qa.md", render(cells, args, time.perf_counter() - t0),
+               "QA benchmark: guarduq vs baselines")
     print(f"wrote {args.out_dir / 'qa.md'}")
     return 0
 

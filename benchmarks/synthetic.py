@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _pages import write_page  # benchmarks/_pages.py (script folder on sys.path)
 from scipy.stats import spearmanr
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -47,7 +48,6 @@ from tqdm.auto import tqdm
 from guarduq.uncertainty import GradientScorer
 
 REPO = Path(__file__).resolve().parents[1]
-BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 # (depth, width) of the hidden layers; parameter counts from ~10² to ~10⁵.
 FULL_SIZES = ["1x32", "2x16", "2x32", "2x64", "2x128", "2x256"]
@@ -380,6 +380,7 @@ def run_nuts(
     t0 = time.perf_counter()
     mcmc.run(key, init_params=init, extra_fields=("num_steps", "diverging"))
     seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
     samples = mcmc.get_samples(group_by_chain=True)
     extra = mcmc.get_extra_fields(group_by_chain=True)
     flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in samples.items()}
@@ -387,6 +388,7 @@ def run_nuts(
     probs = np.asarray(probs, dtype=np.float64).reshape(cfg.num_chains, cfg.num_samples, -1)
     diag = {
         "mcmc_s": seconds,
+        "predictive_s": time.perf_counter() - t1,
         "mean_leapfrog_steps": float(np.mean(extra["num_steps"])),
         "max_tree_depth_hits": float(np.mean(extra["num_steps"] >= 2**cfg.max_tree_depth - 1)),
         "divergences": int(np.sum(extra["diverging"])),
@@ -410,6 +412,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 def run_one(cfg: Config) -> dict[str, Any]:
     import jax.numpy as jnp
 
+    t_start = time.perf_counter()
     widths = parse_size(cfg.size)
     x, y = make_data(cfg.dataset, cfg.n_train, cfg.noise, cfg.seed)
     x_test, y_test = make_data(cfg.dataset, cfg.n_test, cfg.noise, cfg.seed + 1000)
@@ -452,7 +455,7 @@ def run_one(cfg: Config) -> dict[str, Any]:
         "test_acc_map": float(((p_map[n_grid:] > 0.5) == y_test).mean()),
         "test_acc_posterior": float(((p_post[n_grid:] > 0.5) == y_test).mean()),
         "guarduq_check_max_rel_err": check_rel,
-        "times": times,
+        "times": {**times, "row_s": time.perf_counter() - t_start},
         "mcmc": diag,
         # kept for the maps figure (grid only, float32 precision is plenty for a picture)
         "grid_maps": {
@@ -641,19 +644,6 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, stem: str, wall
         f"![maps]({stem}_maps.png)",
     ]
     return "\n".join(lines)
-
-
-def write_page(path: Path, body: str, title: str) -> None:
-    """Replace the GENERATED block, keep the hand-written text around it (atomic write)."""
-    block = f"{BEGIN}\n{body}\n{END}"
-    if path.exists() and BEGIN in (old := path.read_text()) and END in old:
-        head, rest = old.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = f"# {title}\n\n{block}\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- main
