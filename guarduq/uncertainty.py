@@ -318,14 +318,14 @@ class _VocabGradients:
         with torch.no_grad():
             g_rows = None
             if self.head is not None:
-                d = self._d.reshape(-1, self._d.shape[-1]).double() if self._d is not None else None
+                d = self._d.reshape(-1, self._d.shape[-1]) if self._d is not None else None
                 h = self._h.reshape(-1, self._h.shape[-1]).double() if self._h is not None else None
                 if d is None or h is None:
                     out[self.head_index] = 0.0
                 else:
-                    out[self.head_index] = float(((d @ d.T) * (h @ h.T)).sum())
+                    out[self.head_index] = float((_gram(d) * (h @ h.T)).sum())
                     if self.emb is not None and self.head.weight is self.emb.weight:
-                        g_rows = d[:, self.rows].T @ h
+                        g_rows = d[:, self.rows].double().T @ h
             if self.emb is not None:
                 d_out = self.embeds.grad[0].double() * self.scale
                 e = torch.zeros(len(self.rows), d_out.shape[-1], dtype=torch.float64)
@@ -334,6 +334,15 @@ class _VocabGradients:
                 cross = 2.0 * float((g_rows * e).sum()) if g_rows is not None else 0.0
                 out[self.emb_index] = out.get(self.emb_index, 0.0) + cross + float((e * e).sum())
         return out
+
+
+def _gram(d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """D Dᵀ in float64, over vocabulary chunks (no float64 copy of the whole [T, V] matrix)."""
+    out = torch.zeros(d.shape[0], d.shape[0], dtype=torch.float64)
+    for part in d.split(chunk, dim=1):
+        p = part.double()
+        out += p @ p.T
+    return out
 
 
 def _call(model: nn.Module, name: str) -> Any:
