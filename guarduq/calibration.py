@@ -334,16 +334,19 @@ def signal_values(signals: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The AUROC signals, each oriented "higher = more likely wrong".
 
     ``combined`` = z(log epistemic) + z(aleatoric), standardised on the evaluated data itself
-    (no labels used); ``mean_logprob`` is negated.
+    (no labels used); ``mean_logprob`` is negated. ``mean_logprob`` and ``risk`` are optional.
     """
     log_e = np.log(np.maximum(signals["epistemic"], EPISTEMIC_FLOOR))
-    return {
+    out = {
         "epistemic": signals["epistemic"],
         "aleatoric": signals["aleatoric"],
         "combined": _zscore(log_e) + _zscore(signals["aleatoric"]),
-        "mean_logprob": -signals["mean_logprob"],
-        "risk": signals["risk"],
     }
+    if "mean_logprob" in signals:
+        out["mean_logprob"] = -signals["mean_logprob"]
+    if "risk" in signals:
+        out["risk"] = signals["risk"]
+    return out
 
 
 def compute_metrics(labels: np.ndarray, signals: Mapping[str, np.ndarray]) -> dict[str, Any]:
