@@ -330,14 +330,17 @@ class Dataset:
         raise NotImplementedError
 
     def _new(self, raw_id: str, question: str, prompt: str | None = None, **fields: Any) -> Item:
-        """An item of this dataset: namespaced id, default QA prompt, stop strings for free text."""
+        """An item of this dataset: namespaced id, default QA prompt, the style's stop strings.
+
+        Few-shot answers end at a newline, generated (qa) or chosen (mc) alike.
+        """
         return Item(
             id=f"{self.name}:{raw_id}",
             dataset=self.name,
             kind=self.kind,
             prompt=self.qa_prompt(question) if prompt is None else prompt,
             question=question,
-            stop_strings=self.stop_strings if self.kind == "qa" else (),
+            stop_strings=self.stop_strings,
             **fields,
         )
 

@@ -9,7 +9,8 @@ Per item kind:
 
 * ``qa``: ``guard.generate`` (greedy, short), then the dataset's grader labels the text.
 * ``mc``: ``guard.option_probs`` over the options; the argmax is the model's choice, and that
-  option, as the response, is what ``guard.score`` scores; correct when it is the key.
+  option, as the response, is what ``guard.score`` scores; correct when it is the key. With a
+  few-shot prompt the option ends with the stop string (a newline) instead of end-of-turn.
 * ``labelled``: ``guard.score(prompt, response)`` with the label from the data.
 """
 
@@ -45,7 +46,7 @@ class GuardLike(Protocol):
 
     def score(self, prompt: Any, response: str, *, ended: bool = True) -> Any: ...
 
-    def option_probs(self, prompt: Any, options: Sequence[str]) -> list[float]: ...
+    def option_probs(self, prompt: Any, options: Sequence[str], *, ended: bool = True) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -167,15 +168,18 @@ def score_item(guard: GuardLike, item: Item, *, max_new_tokens: int = QA_MAX_NEW
                 seconds=time.perf_counter() - t0,
             )
         if item.kind == "mc":
-            probs = [float(p) for p in guard.option_probs(item.prompt, list(item.options))]
+            # A few-shot answer ends with its stop string, as a generated one does, not with EOS.
+            ended = not item.stop_strings
+            options = [o + item.stop_strings[0] if item.stop_strings else o for o in item.options]
+            probs = [float(p) for p in guard.option_probs(item.prompt, options, ended=ended)]
             choice = max(range(len(probs)), key=probs.__getitem__)
-            scores = guard.score(item.prompt, item.options[choice])
+            scores = guard.score(item.prompt, options[choice], ended=ended)
             return ScoredItem(
                 **base,
-                response=item.options[choice],
+                response=options[choice],
                 label=label_choice(item, choice),
                 scores=scores.to_dict(),
-                ended=True,
+                ended=ended,
                 choice=choice,
                 option_probs=probs,
                 seconds=time.perf_counter() - t0,

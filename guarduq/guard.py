@@ -198,10 +198,13 @@ class Guard:
         it = tqdm(pairs, desc="scoring", unit="resp", disable=not progress)
         return [self.score(p, r, ended=ended) for p, r in it]
 
-    def option_probs(self, prompt: PromptLike, options: Sequence[str]) -> list[float]:
+    def option_probs(
+        self, prompt: PromptLike, options: Sequence[str], *, ended: bool = True
+    ) -> list[float]:
         """Mean token probability of each option as the response (forward only).
 
         Used for multiple choice: the option with the highest p̄ is the model's answer.
+        ``ended`` as in :meth:`score`: whether each option closes the turn.
         """
         if not options:
             raise InputError("options list is empty")
@@ -211,7 +214,7 @@ class Guard:
             self.model.eval()
             try:
                 for option in options:
-                    enc = layout.encode(self.tokenizer, self.model, prompt, option, ended=True)
+                    enc = layout.encode(self.tokenizer, self.model, prompt, option, ended=ended)
                     ids = enc.input_ids.to(self._device)
                     out.append(mean_token_prob(self.model, ids, enc.response_start))
             finally:

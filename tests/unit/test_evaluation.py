@@ -66,11 +66,12 @@ class FakeGuard:
         return _Reply(text, _scores(len(text) / 10))
 
     def score(self, prompt: str, response: str, *, ended: bool = True) -> Scores:
-        self.calls.append(("score", response))
+        self.calls.append(("score", response) if ended else ("score", response, "open"))
         return _scores(len(response) / 10)
 
-    def option_probs(self, prompt: str, options: list[str]) -> list[float]:
-        self.calls.append(("option_probs", tuple(options)))
+    def option_probs(self, prompt: str, options: list[str], *, ended: bool = True) -> list[float]:
+        self.calls.append(("option_probs", tuple(options)) if ended else
+                          ("option_probs", tuple(options), "open"))
         return next((p for q, p in self.table.items() if q in prompt), [0.1] * len(options))
 
 
@@ -110,6 +111,19 @@ def test_mc_items_choose_the_argmax_and_score_that_option(tmp_path: Path) -> Non
     guard.table = {"mammal": [0.6, 0.3, 0.1]}
     rec = score_dataset(guard, items[1:], progress=False)[0]
     assert rec.choice == 0 and rec.label == 0 and rec.option_probs == [0.6, 0.3, 0.1]
+
+
+def test_fewshot_mc_options_end_with_the_stop_string_not_end_of_turn(tmp_path: Path) -> None:
+    row = {"id": "m", "question": {"stem": "Which is a mammal?", "choices": [
+        {"label": "A", "text": "shark"}, {"label": "B", "text": "whale"}]}, "answerKey": "B"}
+    path = write_jsonl(tmp_path / "a.jsonl", [row])
+    guard = FakeGuard(option_probs={"mammal": [0.2, 0.7]})
+    (rec,) = score_dataset(guard, load_dataset("arc", path, prompt_style="fewshot").items,
+                           progress=False)
+    # As generation would end the answer: a leading space (continuing "A:"), then the newline.
+    assert ("option_probs", (" shark\n", " whale\n"), "open") in guard.calls
+    assert ("score", " whale\n", "open") in guard.calls
+    assert rec.response == " whale\n" and rec.ended is False and rec.label == 1
 
 
 def test_labelled_items_are_scored_as_given(tmp_path: Path) -> None:
