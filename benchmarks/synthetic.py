@@ -638,6 +638,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, stem: str, wall
             f"{1e3 * r['times']['guarduq_code_path_per_point_s']:.2f} | "
             f"{r['times']['laplace_full_s']:.1f} |"
         )
+    if any(nuts_s(r) == "n/a" for r in rows):
+        lines += ["", "NUTS s = n/a: the row was cached before the sampler's timer waited for "
+                  "JAX's asynchronous results, so its time stopped before the samples existed and "
+                  "is not reported. Delete `runs/bench/synthetic.jsonl` to re-time every row."]
     worst = max((r["guarduq_check_max_rel_err"] for r in rows), default=float("nan"))
     lines += [
         "",
