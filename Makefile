@@ -61,12 +61,12 @@ $(BENCH_STAMP): $(STAMP)
 
 # Everything on docs/results/: hours on 2 CPU cores; every step resumes from runs/bench.
 results: $(BENCH_STAMP)
-	@$(PY) benchmarks/qa.py --limit $(QA_LIMIT)
+	@$(PY) benchmarks/qa.py --limit $(QA_LIMIT) --jobs 2
 	@$(PY) benchmarks/synthetic.py
 
 # The same pipeline at smoke-test size (< 10 min on 2 cores), written under runs/bench/results-quick.
 results-quick: $(BENCH_STAMP)
-	@$(PY) benchmarks/qa.py --quick
+	@$(PY) benchmarks/qa.py --quick --jobs 2
 	@$(PY) benchmarks/synthetic.py --quick
 
 lint: $(STAMP)

@@ -58,7 +58,7 @@ SIGNALS = (
     "epistemic", "aleatoric", "combined", "risk", "max_prob", "perplexity", "mean_entropy",
     "p_true", "consistency",
 )
-QUICK_LIMIT, QUICK_K = 6, 3
+QUICK_LIMIT, QUICK_K = 5, 3
 
 
 def model_spec(name: str) -> str:
@@ -211,8 +211,12 @@ class Cell:
             out["consistency"] = np.array([b.consistency for b in rows], float)
         return labels, out
 
+    def timed(self) -> list[ScoredItem]:
+        """Items with every method timed (both splits: cost does not depend on the split)."""
+        return [r for r in self.records if r.usable and r.id + r.prompt_hash in self.baselines]
+
     def times(self) -> dict[str, float]:
-        recs = self.evaluated()
+        recs = self.timed()
         rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
         guarduq = [r.scores["timings"].get("forward_s", 0) + r.scores["timings"].get("backward_s", 0)
                    for r in recs]  # type: ignore[index]
@@ -320,8 +324,9 @@ def plot_times(cells: list[Cell], path: Path) -> None:
         ax.bar(np.arange(len(cells)) + j * width, vals, width, label=m)
     ax.set_xticks(np.arange(len(cells)) + 1.5 * width)
     ax.set_xticklabels([f"{c.model}\n{c.dataset}" for c in cells], fontsize=7)
-    ax.set_ylabel("seconds per item")
-    ax.set_yscale("log")
+    ax.set_ylabel("median seconds per item")
+    if any(np.isfinite(c.times().get(m, math.nan)) for c in cells for m in methods):
+        ax.set_yscale("log")  # a log axis needs at least one timed item
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -355,21 +360,23 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
                      f"{_fmt(labels.mean() if len(labels) else None)} | " + " | ".join(cells_txt) + " |")
     lines += [
         "",
-        "Median seconds per item and ratio to one greedy generation (same run, same items):",
+        "Median seconds per item and ratio to one greedy generation (same run, same items, fit and "
+        "evaluation splits alike):",
         "",
-        "| model | data | greedy s | guarduq s (×greedy) | P(True) s (×greedy) "
+        "| model | data | n timed | greedy s | guarduq s (×greedy) | P(True) s (×greedy) "
         "| consistency s (×greedy) | P(True) / guarduq | consistency / guarduq |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---:|---|---|---|---|---|---|",
     ]
     for c in cells:
         t = c.times()
         g = t["greedy"]
 
         def cell(m: str, t: dict[str, float] = t, g: float = g) -> str:
-            return "–" if m not in t else f"{t[m]:.2f} ({t[m] / g:.2f}×)"
+            return "–" if m not in t else f"{_fmt(t[m])} ({_fmt(t[m] / g)}×)"
 
         lines.append(
-            f"| {c.model} | {c.dataset} | {g:.2f} | {cell('guarduq')} | {cell('p_true')} | "
+            f"| {c.model} | {c.dataset} | {len(c.timed())} | {_fmt(g)} | {cell('guarduq')} | "
+            f"{cell('p_true')} | "
             f"{cell('consistency')} | {_fmt(t['p_true'] / t['guarduq'], 1)} | "
             f"{_fmt(t.get('consistency', math.nan) / t['guarduq'], 1)} |"
         )
@@ -426,6 +433,37 @@ def collect(model_name: str, args: argparse.Namespace) -> None:
                       desc=f"{model_name} {ds} baselines")
 
 
+def collect_in_processes(args: argparse.Namespace) -> None:
+    """One child per model, ``--jobs`` at a time, 1 torch thread each so that the children do not
+    oversubscribe the cores. Each child appends to its own model's caches only."""
+    import subprocess
+
+    base = ["--limit", str(args.limit), "--k", str(args.k), "--data", str(args.data),
+            "--cache-dir", str(args.cache_dir), "--datasets", *args.datasets]
+    running: list[tuple[str, subprocess.Popen[bytes]]] = []
+    failed: list[str] = []
+    for model_name in args.models:
+        while len(running) >= args.jobs:
+            failed += _reap(running)
+        cmd = [sys.executable, __file__, *base, "--models", model_name, "--threads", "1",
+               "--collect-only"]
+        running.append((model_name, subprocess.Popen(cmd)))
+    while running:
+        failed += _reap(running)
+    if failed:
+        raise SystemExit(f"collecting failed for {', '.join(failed)} (see the output above)")
+
+
+def _reap(running: list[tuple[str, Any]]) -> list[str]:
+    """Wait for the first child to finish; the names of those that failed."""
+    while True:
+        for i, (name, proc) in enumerate(running):
+            if proc.poll() is not None:
+                running.pop(i)
+                return [name] if proc.returncode else []
+        time.sleep(1.0)
+
+
 def load_cell(model_name: str, ds: str, args: argparse.Namespace) -> Cell | None:
     """One model x dataset from the caches alone (no model loaded): the items of this --limit."""
     stem = cache_stem(args, model_name, ds)
@@ -460,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="default docs/results (--quick: runs/bench/results-quick)")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                     help="torch threads (1 per process when two models run side by side)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="collect the models in this many processes side by side (1 thread each)")
+    ap.add_argument("--collect-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", action="store_true",
                     help="no model: write the page from what the caches hold for this --limit "
                          "(e.g. after one collecting process per model)")
@@ -474,9 +515,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    if not args.report_only:
+    if args.report_only:
+        pass
+    elif args.jobs > 1 and len(args.models) > 1:
+        collect_in_processes(args)
+    else:
         for model_name in args.models:
             collect(model_name, args)
+    if args.collect_only:
+        return 0
     cells = [c for m in args.models for ds in args.datasets if (c := load_cell(m, ds, args))]
     if not cells:
         raise SystemExit(f"nothing cached under {args.cache_dir} yet")
