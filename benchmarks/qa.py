@@ -12,10 +12,16 @@ prompts) and dataset (TruthfulQA mc and generation, TriviaQA):
 3. Metrics on the items outside the calibrator's ``fit`` split: accuracy, AUROC of every signal
    for detecting wrong answers, the calibrated risk (a ``Calibrator`` fitted on the ``fit`` split
    of the same model and dataset), and cross-model transfer (the other model's calibrator).
-4. ``docs/results/qa.md`` (the GENERATED block) and PNGs.
+4. ``docs/results/qa.md`` (the GENERATED block) and PNGs: ROC and risk-coverage per model x
+   dataset, seconds per item per method.
 
-Both passes are resumable: kill it and run the same command again. ``--limit`` takes a stable
-subset (a larger limit extends a smaller one, so caches are reused).
+Steps 1-2 need the model and are resumable: kill the run and start the same command again.
+``--limit`` takes a stable subset (a larger limit extends a smaller one, so caches are reused).
+``--jobs 2`` collects the two models side by side; ``--report-only`` redoes steps 3-4 from the
+caches alone.
+
+    python benchmarks/qa.py --quick --jobs 2         # smoke run, under runs/bench/results-quick
+    python benchmarks/qa.py --limit 200 --jobs 2     # the full run (hours on 2 CPU cores)
 """
 
 from __future__ import annotations
