@@ -27,6 +27,7 @@ caches alone.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -44,7 +45,7 @@ from _pages import write_page  # benchmarks/_pages.py (script folder on sys.path
 from tqdm.auto import tqdm
 
 from guarduq import Guard, layout
-from guarduq.baselines import Consistency, PTrue, cut_at_stops, from_scores
+from guarduq.baselines import Consistency, PTrue, agreement, cut_at_stops, from_scores
 from guarduq.calibration import Calibrator, auroc, ece, risk_coverage, signal_values
 from guarduq.datasets import Item, default_data_dir, load_dataset
 from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
@@ -62,7 +63,7 @@ GEMMA = "gemma-3-270m"
 MODELS = {"smollm2-135m-instruct": "instruct", GEMMA: "fewshot"}  # name -> prompt style
 SIGNALS = (
     "epistemic", "aleatoric", "combined", "risk", "max_prob", "perplexity", "mean_entropy",
-    "p_true", "consistency",
+    "p_true", "consistency", "consistency_f1",
 )
 QUICK_LIMIT, QUICK_K = 5, 3
 
@@ -104,6 +105,11 @@ class BaselineRow:
     p_true_s: float
     consistency_s: float | None
     samples: list[str]
+    response_sha: str | None = None  # the scored response these baselines judged (None: old rows)
+
+
+def response_sha(response: str | None) -> str:
+    return hashlib.sha256((response or "").encode()).hexdigest()[:16]
 
 
 def greedy_seconds(guard: Guard, item: Item, max_new_tokens: int) -> float:
@@ -139,6 +145,7 @@ def baseline_row(guard: Guard, item: Item, rec: ScoredItem, k: int, max_new_toke
         id=item.id, prompt_hash=item.prompt_hash, model_fingerprint=guard.info.fingerprint, k=k,
         p_true=p_true, consistency=consistency, greedy_s=greedy_seconds(guard, item, max_new_tokens),
         p_true_s=p_true_s, consistency_s=consistency_s, samples=samples,
+        response_sha=response_sha(rec.response),
     )
 
 
@@ -156,12 +163,20 @@ def read_baselines(path: Path, k: int, fingerprint: str | None) -> dict[str, Bas
     return done
 
 
+def _cut_torn_tail(path: Path) -> None:
+    """Drop a last line left without its newline by a killed run, so the next row starts clean."""
+    if path.exists() and (raw := path.read_bytes()) and not raw.endswith(b"\n"):
+        with path.open("r+b") as fh:
+            fh.truncate(raw.rfind(b"\n") + 1)
+
+
 def run_baselines(
     guard: Guard, items: list[Item], records: list[ScoredItem], path: Path, k: int, desc: str
 ) -> dict[str, BaselineRow]:
     """Append-only, fsynced cache keyed by (id, prompt hash, fingerprint, k)."""
     done = read_baselines(path, k, guard.info.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _cut_torn_tail(path)
     todo = [(it, r) for it, r in zip(items, records, strict=True)
             if r.usable and it.id + it.prompt_hash not in done]
     with path.open("a") as fh:
@@ -195,9 +210,19 @@ class Cell:
                 [r.scores for r in fit], [r.label for r in fit]
             )
 
+    def baseline(self, rec: ScoredItem) -> BaselineRow | None:
+        """The baseline row for this scored item, if it judged this very response."""
+        row = self.baselines.get(rec.id + rec.prompt_hash)
+        if row is None or row.response_sha not in (None, response_sha(rec.response)):
+            return None
+        return row
+
+    def rows(self, recs: list[ScoredItem]) -> list[BaselineRow]:
+        """The baseline rows of ``recs`` (items from ``evaluated`` or ``timed``: all have one)."""
+        return [row for r in recs if (row := self.baseline(r)) is not None]
+
     def evaluated(self) -> list[ScoredItem]:
-        return [r for r in self.records if r.usable and r.split != "fit"
-                and r.id + r.prompt_hash in self.baselines]
+        return [r for r in self.records if r.usable and r.split != "fit" and self.baseline(r)]
 
     def signals(self, calibrator: Calibrator | None = None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         recs = self.evaluated()
@@ -211,21 +236,25 @@ class Cell:
         free = [from_scores(s) for s in sc]
         for name in ("max_prob", "perplexity", "mean_entropy"):
             out[name] = np.array([f[name] for f in free])
-        rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
+        rows = self.rows(recs)
         out["p_true"] = np.array([b.p_true for b in rows], float)
-        if all(b.consistency is not None for b in rows):
+        if rows and all(b.consistency is not None for b in rows):
             out["consistency"] = np.array([b.consistency for b in rows], float)
+            out["consistency_f1"] = np.array(  # same samples, looser agreement (token F1 >= 0.5)
+                [1 - agreement(r.response or "", b.samples, match="f1")
+                 for r, b in zip(recs, rows, strict=True)])
         return labels, out
 
     def timed(self) -> list[ScoredItem]:
         """Items with every method timed (both splits: cost does not depend on the split)."""
-        return [r for r in self.records if r.usable and r.id + r.prompt_hash in self.baselines]
+        return [r for r in self.records if r.usable and self.baseline(r)]
 
     def times(self) -> dict[str, float]:
         recs = self.timed()
-        rows = [self.baselines[r.id + r.prompt_hash] for r in recs]
-        guarduq = [r.scores["timings"].get("forward_s", 0) + r.scores["timings"].get("backward_s", 0)
-                   for r in recs]  # type: ignore[index]
+        rows = self.rows(recs)
+        # guarduq's own timers inside the scoring call (tokenisation, < 1 ms, is outside them)
+        guarduq = [r.scores["timings"]["forward_s"] + r.scores["timings"]["backward_s"]  # type: ignore[index]
+                   for r in recs]
         out = {"greedy": _median([b.greedy_s for b in rows]), "guarduq": _median(guarduq),
                "p_true": _median([b.p_true_s for b in rows])}
         cons = [b.consistency_s for b in rows if b.consistency_s is not None]
@@ -342,15 +371,19 @@ def plot_times(cells: list[Cell], path: Path) -> None:
 def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    how = ("read from the per-item caches, no model loaded; how they were filled is described "
-           "above" if args.report_only else
-           f"{torch.get_num_threads()} torch threads, load average at start {args.load_at_start}")
+    if args.report_only:
+        how = "read from the per-item caches, no model loaded; how they were filled is described above"
+    elif args.jobs > 1 and len(args.models) > 1:
+        how = (f"one collecting process per model, {args.jobs} side by side, 1 torch thread each; "
+               f"load average at start {args.load_at_start}")
+    else:
+        how = f"{torch.get_num_threads()} torch threads, load average at start {args.load_at_start}"
     lines = [
         f"Generated by `python benchmarks/qa.py {' '.join(sys.argv[1:])}` ({wall_s / 60:.0f} min "
         f"this invocation: {how}). Hardware: {cpu}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}. K = {args.k} samples for consistency (temperature 1, no "
         "top-k/top-p). Metrics on the items outside the calibrator's fit split (n eval); "
-        "n_total = items scored.",
+        "n_total = items attempted (including any that could not be scored).",
         "",
         "AUROC for detecting wrong answers (higher = better; 0.5 = chance):",
         "",
@@ -364,6 +397,10 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
                      for s in SIGNALS]
         lines.append(f"| {c.model} | {c.dataset} | {c.n_total} | {len(labels)} | "
                      f"{_fmt(labels.mean() if len(labels) else None)} | " + " | ".join(cells_txt) + " |")
+    pending = [(c, sum(r.usable for r in c.records) - len(c.timed())) for c in cells]
+    if any(n for _, n in pending):
+        lines += ["", "Scored but without a baseline row yet (left out of every column above): " +
+                  ", ".join(f"{c.model} {c.dataset} {n}" for c, n in pending if n) + "."]
     lines += [
         "",
         "Median seconds per item and ratio to one greedy generation (same run, same items, fit and "
@@ -390,8 +427,8 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
         "",
         "Cross-model calibrator transfer: risk AUROC / ECE on the evaluated model's items, with "
         "its own calibrator and with the other model's (each fitted on the fit split of that "
-        "model's items; `all` = one calibrator fitted on the three datasets' fit splits pooled, "
-        "as a deployed calibrator would be):",
+        f"model's items; `all` = one calibrator fitted on the fit splits of "
+        f"{', '.join(args.datasets)} pooled, as a deployed calibrator would be):",
         "",
         "| data | evaluated on | n eval | own calibrator | other model's calibrator |",
         "|---|---|---:|---|---|",
@@ -473,7 +510,7 @@ def _reap(running: list[tuple[str, Any]]) -> list[str]:
 def load_cell(model_name: str, ds: str, args: argparse.Namespace) -> Cell | None:
     """One model x dataset from the caches alone (no model loaded): the items of this --limit."""
     stem = cache_stem(args, model_name, ds)
-    cache = ScoreCache(Path(f"{stem}.scores.jsonl"))
+    cache = ScoreCache(Path(f"{stem}.scores.jsonl"), read_only=True)
     fingerprints = {rec.model_fingerprint for rec in cache.entries.values()}
     if len(fingerprints) > 1:
         raise SystemExit(f"{stem}.scores.jsonl holds items of {len(fingerprints)} different "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
@@ -244,16 +245,35 @@ class PTrue(Baseline):
 # --------------------------------------------------------------------------- consistency
 
 
-def agreement(reference: str, samples: Sequence[str]) -> float:
-    """Fraction of ``samples`` equal to ``reference`` after SQuAD normalisation.
+def token_f1(a: str, b: str) -> float:
+    """SQuAD token F1 between two answers, after SQuAD normalisation (0 if either is empty)."""
+    ta, tb = normalize_answer(a).split(), normalize_answer(b).split()
+    common = sum((Counter(ta) & Counter(tb)).values())
+    if not ta or not tb or common == 0:
+        return 0.0
+    precision, recall = common / len(tb), common / len(ta)
+    return 2 * precision * recall / (precision + recall)
 
-    An empty normalised text agrees with nothing (two blank answers are not "the same answer").
+
+def agreement(
+    reference: str, samples: Sequence[str], *, match: str = "exact", f1_threshold: float = 0.5
+) -> float:
+    """Fraction of ``samples`` that agree with ``reference``.
+
+    ``match="exact"``: equal after SQuAD normalisation. ``match="f1"``: SQuAD token F1 of at
+    least ``f1_threshold``, which lets sentence-long answers that say the same thing in other
+    words agree. An empty normalised text agrees with nothing (two blank answers are not "the
+    same answer").
     """
     if not samples:
         raise InputError("agreement needs at least one sample")
+    if match not in ("exact", "f1"):
+        raise InputError(f"match must be 'exact' or 'f1', got {match!r}")
     ref = normalize_answer(reference)
     if not ref:
         return 0.0
+    if match == "f1":
+        return sum(token_f1(reference, s) >= f1_threshold for s in samples) / len(samples)
     return sum(normalize_answer(s) == ref for s in samples) / len(samples)
 
 
@@ -321,8 +341,9 @@ def sample_answers(
 class Consistency(Baseline):
     """1 − (fraction of K sampled answers that agree with the answer under test).
 
-    The cheap relative of semantic entropy: agreement is exact match after SQuAD normalisation,
-    not an entailment model, so it suits short answers (QA) and undercounts paraphrases.
+    The cheap relative of semantic entropy: agreement is exact match after SQuAD normalisation
+    (``match="exact"``) or SQuAD token F1 >= 0.5 (``match="f1"``), not an entailment model, so
+    it suits short answers (QA) and undercounts paraphrases.
     """
 
     name = "consistency"
@@ -335,15 +356,19 @@ class Consistency(Baseline):
         max_new_tokens: int = 32,
         stop: Sequence[str] = (),
         seed: int | None = 0,
+        match: str = "exact",
     ) -> None:
         if k < 1:
             raise InputError(f"k must be >= 1, got {k}")
+        if match not in ("exact", "f1"):
+            raise InputError(f"match must be 'exact' or 'f1', got {match!r}")
         self.k = k
         self.temperature = temperature
         self.top_p = top_p
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(stop)
         self.seed = seed
+        self.match = match
         self.samples_: list[str] = []  # the last call's samples, for inspection
 
     def score(
@@ -359,7 +384,7 @@ class Consistency(Baseline):
             guard.model, guard.tokenizer, prompt, self.k, max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
         )
-        return 1.0 - agreement(cut_at_stops(response, self.stop), self.samples_)
+        return 1.0 - agreement(cut_at_stops(response, self.stop), self.samples_, match=self.match)
 
 
 # --------------------------------------------------------------------------- factory

@@ -88,8 +88,9 @@ class ScoreCache:
     ``CacheCorruptError`` naming the path and line.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only  # a reader beside a live writer: never repair, never append
         self.entries: dict[tuple[str, str, str], ScoredItem] = {}
         self._load()
 
@@ -108,8 +109,8 @@ class ScoreCache:
                     f"scoring cache {self.path} is corrupt at line {lineno} ({exc}); delete the "
                     "file (or that line) to re-score"
                 ) from exc
-        if not tail.strip():
-            return
+        if not tail.strip() or self.read_only:
+            return  # read-only: a last line without its newline may still be being written
         with open(self.path, "r+b") as f:
             try:  # a last line without its newline: the process died while writing it
                 self._add(tail)
@@ -132,6 +133,8 @@ class ScoreCache:
         return self.entries.get((item.id, item.prompt_hash, fingerprint))
 
     def append(self, rec: ScoredItem) -> None:
+        if self.read_only:
+            raise RuntimeError(f"{self.path} was opened read-only")
         line = json.dumps(asdict(rec), ensure_ascii=False, allow_nan=True) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:

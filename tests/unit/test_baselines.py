@@ -22,6 +22,7 @@ from guarduq.baselines import (
     make_baseline,
     p_true_prompt,
     sample_answers,
+    token_f1,
     true_probability,
     word_variants,
 )
@@ -182,6 +183,29 @@ def test_agreement_counts_after_squad_normalisation():
     assert agreement("The", ["the", "a"]) == 0.0  # blank after normalisation agrees with nothing
     with pytest.raises(InputError):
         agreement("x", [])
+
+
+def test_token_f1_hand_made():
+    assert token_f1("The Eiffel Tower.", "eiffel tower") == pytest.approx(1.0)
+    # "it is in paris" vs "paris": 1 common token; precision 1/1, recall 1/4 -> F1 = 0.4
+    assert token_f1("It is in Paris.", "Paris") == pytest.approx(2 * 1 * 0.25 / 1.25)
+    assert token_f1("London", "Paris") == 0.0
+    assert token_f1("the", "the") == 0.0  # blank after normalisation
+
+
+def test_f1_agreement_lets_paraphrased_sentences_agree():
+    greedy = "The capital of France is Paris."  # -> capital of france is paris (5 tokens)
+    samples = [
+        "Paris is the capital of France.",  # same 5 tokens: F1 1
+        "It is Paris.",  # it is paris: 2 shared, P 2/3, R 2/5 -> F1 0.5
+        "Lyon",  # nothing shared: 0
+        "France's capital: Paris",  # frances capital paris: 2 shared -> F1 0.5
+    ]
+    assert agreement(greedy, samples) == 0.0  # exact match: no sentence is the same string
+    assert agreement(greedy, samples, match="f1") == pytest.approx(3 / 4)
+    assert agreement(greedy, samples, match="f1", f1_threshold=0.6) == pytest.approx(1 / 4)
+    with pytest.raises(InputError):
+        agreement(greedy, samples, match="fuzzy")
 
 
 def test_cut_at_stops():

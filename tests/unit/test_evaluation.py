@@ -193,6 +193,19 @@ def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
     assert len(ScoreCache(cache).entries) == 2 and cache.read_bytes().endswith(b"\n")
 
 
+def test_read_only_cache_leaves_a_line_in_flight_alone(tmp_path: Path) -> None:
+    items = load_dataset("jsonl", _labelled(tmp_path, 2)).items
+    cache = tmp_path / "cache.jsonl"
+    score_dataset(FakeGuard(), items[:1], cache, progress=False)
+    with open(cache, "a") as f:
+        f.write('{"id": "jsonl:1", "prompt_ha')  # a writer is half-way through this line
+    before = cache.read_bytes()
+    reader = ScoreCache(cache, read_only=True)
+    assert len(reader.entries) == 1 and cache.read_bytes() == before
+    with pytest.raises(RuntimeError):
+        reader.append(next(iter(reader.entries.values())))
+
+
 def test_corruption_inside_the_cache_is_an_error(tmp_path: Path) -> None:
     items = load_dataset("jsonl", _labelled(tmp_path, 3)).items
     cache = tmp_path / "cache.jsonl"
