@@ -456,8 +456,16 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
 
 
 def dataset_items(ds: str, model_name: str, args: argparse.Namespace) -> list[Item]:
+    limit = dict(args.model_limit).get(model_name, args.limit)
     return list(load_dataset(ds, args.data / DATA_FILES[ds], prompt_style=MODELS[model_name],
-                             limit=args.limit))
+                             limit=limit))
+
+
+def _model_limit(text: str) -> tuple[str, int]:
+    name, _, n = text.partition("=")
+    if name not in MODELS or not n.isdigit():
+        raise argparse.ArgumentTypeError(f"expected MODEL=N with MODEL in {list(MODELS)}, got {text!r}")
+    return name, int(n)
 
 
 def cache_stem(args: argparse.Namespace, model_name: str, ds: str) -> Path:
@@ -532,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"smoke run: --limit {QUICK_LIMIT}, K = {QUICK_K}, own cache and output "
                          "folders under runs/ (the committed page is left alone)")
     ap.add_argument("--limit", type=int, default=None, help="items per dataset (stable subset)")
+    ap.add_argument("--model-limit", type=_model_limit, action="append", default=[],
+                    metavar="MODEL=N", help="a different --limit for one model (repeatable)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--datasets", nargs="+", default=list(DATA_FILES), choices=list(DATA_FILES))
     ap.add_argument("--k", type=int, default=None, help="samples for consistency (default 10)")
