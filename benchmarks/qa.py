@@ -345,6 +345,34 @@ def plot_risk_coverage(cells: list[Cell], path: Path) -> None:
                    "error rate among answered")
 
 
+def plot_auroc_map(cells: list[Cell], path: Path) -> None:
+    """The AUROC table at a glance: one row per model x dataset, one column per signal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = np.full((len(cells), len(SIGNALS)), np.nan)
+    for i, c in enumerate(cells):
+        labels, sig = c.signals()
+        for j, name in enumerate(SIGNALS):
+            if name in sig and len(labels):
+                grid[i, j] = auroc(1 - labels, sig[name]) or np.nan
+    fig, ax = plt.subplots(figsize=(1.0 * len(SIGNALS) + 3, 0.5 * len(cells) + 1.6))
+    im = ax.imshow(grid, cmap="RdBu_r", vmin=0.2, vmax=0.8, aspect="auto")
+    for (i, j), v in np.ndenumerate(grid):
+        if np.isfinite(v):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8,
+                    color="white" if abs(v - 0.5) > 0.2 else "black")
+    ax.set_xticks(range(len(SIGNALS)), SIGNALS, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(cells)),
+                  [f"{c.model} {c.dataset} (n={len(c.evaluated())})" for c in cells], fontsize=8)
+    fig.colorbar(im, ax=ax, label="AUROC (wrong answers; 0.5 = chance)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_times(cells: list[Cell], path: Path) -> None:
     import matplotlib
 
@@ -447,7 +475,7 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
 
         lines.append(f"| {dataset} | {model} | {len(labels)} | {both(own['risk'])} | "
                      f"{both(transferred['risk'])} (from {other.model}) |")
-    lines += ["", "![ROC per method](qa_roc.png)", "", "![risk-coverage](qa_risk_coverage.png)",
+    lines += ["", "![AUROC per signal](qa_auroc.png)", "", "![ROC per method](qa_roc.png)", "", "![risk-coverage](qa_risk_coverage.png)",
               "", "![time per item](qa_time.png)"]
     return "\n".join(lines)
 
@@ -582,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"nothing cached under {args.cache_dir} yet")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot_auroc_map(cells, args.out_dir / "qa_auroc.png")
     plot_rocs(cells, args.out_dir / "qa_roc.png")
     plot_risk_coverage(cells, args.out_dir / "qa_risk_coverage.png")
     plot_times(cells, args.out_dir / "qa_time.png")
