@@ -66,6 +66,7 @@ SIGNALS = (
     "p_true", "consistency", "consistency_f1",
 )
 QUICK_LIMIT, QUICK_K = 5, 3
+MIN_PER_CLASS = 5  # right and wrong answers each, in a fit split, to fit a calibrator
 
 
 def model_spec(name: str) -> str:
@@ -205,7 +206,8 @@ class Cell:
 
     def fit_calibrator(self) -> None:
         fit = [r for r in self.records if r.usable and r.split == "fit"]
-        if len(fit) >= 10 and len({r.label for r in fit}) == 2:
+        n_right = sum(r.label == 1 for r in fit)
+        if min(n_right, len(fit) - n_right) >= MIN_PER_CLASS:  # else a logistic fit is noise
             self.calibrator = Calibrator(model_name=self.model).fit(
                 [r.scores for r in fit], [r.label for r in fit]
             )
@@ -411,7 +413,8 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
         f"this invocation: {how}). Hardware: {cpu}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}. K = {args.k} samples for consistency (temperature 1, no "
         "top-k/top-p). Metrics on the items outside the calibrator's fit split (n eval); "
-        "n_total = items attempted (including any that could not be scored).",
+        "n_total = items attempted (including any that could not be scored). `risk` is – where "
+        f"the fit split has fewer than {MIN_PER_CLASS} right or {MIN_PER_CLASS} wrong answers.",
         "",
         "AUROC for detecting wrong answers (higher = better; 0.5 = chance):",
         "",
