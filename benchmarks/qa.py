@@ -475,8 +475,8 @@ def render(cells: list[Cell], args: argparse.Namespace, wall_s: float) -> str:
                   ", ".join(f"{c.model} {c.dataset} {n}" for c, n in pending if n) + "."]
     lines += [
         "",
-        "Median seconds per item and ratio to one greedy generation (same run, same items, fit and "
-        "evaluation splits alike):",
+        "Median seconds per item and ratio to one greedy generation, all timed on the same items "
+        "by the same collecting process (fit and evaluation splits alike):",
         "",
         "| model | data | n timed | greedy s | guarduq s (×greedy) | P(True) s (×greedy) "
         "| consistency s (×greedy) | P(True) / guarduq | consistency / guarduq |",
