@@ -255,6 +255,14 @@ def token_f1(a: str, b: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+AGREEMENT_MATCHES = ("exact", "f1")
+
+
+def _check_match(match: str) -> None:
+    if match not in AGREEMENT_MATCHES:
+        raise InputError(f"match must be one of {AGREEMENT_MATCHES}, got {match!r}")
+
+
 def agreement(
     reference: str, samples: Sequence[str], *, match: str = "exact", f1_threshold: float = 0.5
 ) -> float:
@@ -267,8 +275,7 @@ def agreement(
     """
     if not samples:
         raise InputError("agreement needs at least one sample")
-    if match not in ("exact", "f1"):
-        raise InputError(f"match must be 'exact' or 'f1', got {match!r}")
+    _check_match(match)
     ref = normalize_answer(reference)
     if not ref:
         return 0.0
@@ -360,8 +367,7 @@ class Consistency(Baseline):
     ) -> None:
         if k < 1:
             raise InputError(f"k must be >= 1, got {k}")
-        if match not in ("exact", "f1"):
-            raise InputError(f"match must be 'exact' or 'f1', got {match!r}")
+        _check_match(match)
         self.k = k
         self.temperature = temperature
         self.top_p = top_p

@@ -222,6 +222,15 @@ def test_consistency_with_a_model_that_always_says_the_same(tokenizer):
     assert c.score(guard, "Capital of France?", "Lyon") == pytest.approx(1.0)
 
 
+def test_consistency_f1_lets_a_sentence_agree_with_its_short_answer(tokenizer):
+    guard = SimpleNamespace(model=answering_lm(tokenizer, "Paris"), tokenizer=tokenizer)
+    sentence = "It is Paris."  # vs "paris": 1 shared of 3 and 1 tokens -> F1 0.5
+    assert Consistency(k=3, max_new_tokens=8).score(guard, "Capital?", sentence) == pytest.approx(1.0)
+    assert Consistency(k=3, max_new_tokens=8, match="f1").score(guard, "Capital?", sentence) == 0.0
+    with pytest.raises(InputError):
+        Consistency(match="fuzzy")
+
+
 def test_sample_answers_on_a_real_tiny_model_is_seeded_and_leaves_rng_alone(llama, tokenizer):
     state = torch.random.get_rng_state()
     a = sample_answers(llama, tokenizer, "Say something", 4, max_new_tokens=5, seed=1)
