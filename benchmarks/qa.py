@@ -50,7 +50,7 @@ from guarduq.calibration import Calibrator, auroc, ece, risk_coverage, signal_va
 from guarduq.datasets import Item, default_data_dir, load_dataset
 from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
 from guarduq.models import load_model
-from guarduq.uncertainty import Scores, model_lock
+from guarduq.uncertainty import Scores
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,17 +114,17 @@ def response_sha(response: str | None) -> str:
 
 
 def greedy_seconds(guard: Guard, item: Item, max_new_tokens: int) -> float:
-    """Time of one plain greedy generation (no scoring): the unit every cost is divided by."""
-    ids = layout.prompt_ids(guard.tokenizer, item.prompt)
-    stops = layout.stop_token_ids(guard.tokenizer)
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
-                              "eos_token_id": stops, "pad_token_id": stops[0]}
+    """Time of one plain greedy generation (no scoring): the unit every cost is divided by.
+
+    Guard's own generation settings and call, minus the scoring that ``Guard.generate`` adds.
+    """
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     if item.stop_strings:
         kwargs.update(stop_strings=list(item.stop_strings), tokenizer=guard.tokenizer)
-    x = torch.tensor([ids])
+    ids = layout.prompt_ids(guard.tokenizer, item.prompt)
+    gen = guard._generation_settings(kwargs)
     t0 = time.perf_counter()
-    with model_lock(guard.model), torch.no_grad():
-        guard.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+    guard._run_generate(ids, gen)
     return time.perf_counter() - t0
 
 
