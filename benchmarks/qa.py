@@ -45,12 +45,12 @@ from _pages import write_page  # benchmarks/_pages.py (script folder on sys.path
 from tqdm.auto import tqdm
 
 from guarduq import Guard, layout
-from guarduq.baselines import Consistency, PTrue, agreement, cut_at_stops, from_scores
 from guarduq.calibration import Calibrator, auroc, ece, risk_coverage, signal_values
 from guarduq.datasets import Item, default_data_dir, load_dataset
 from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
 from guarduq.models import load_model
-from guarduq.uncertainty import Scores
+from guarduq.scoring.baselines import Consistency, PTrue, agreement, cut_at_stops, from_scores
+from guarduq.scoring.uncertainty import Scores
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -45,7 +45,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from tqdm.auto import tqdm
 
-from guarduq.uncertainty import GradientScorer
+from guarduq.scoring.uncertainty import GradientScorer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,7 +261,7 @@ class _AsCausalLM(nn.Module):
 
 
 def guarduq_code_path(model: NTKMLP, x: torch.Tensor, y_hat: torch.Tensor) -> np.ndarray:
-    """epistemic from guarduq.uncertainty.GradientScorer, one point at a time (float32 logits)."""
+    """epistemic from guarduq.scoring.uncertainty.GradientScorer, one point at a time (float32 logits)."""
     adapter = _AsCausalLM(model)
     scorer = GradientScorer(adapter)
     out = np.empty(len(x))

@@ -52,7 +52,7 @@ ECE_BINS = 15
 EPISTEMIC_FLOOR = 1e-12
 MIN_FIT_ITEMS = 10
 
-ScoreLike = Any  # guarduq.uncertainty.Scores or a mapping with the same field names
+ScoreLike = Any  # guarduq.scoring.uncertainty.Scores or a mapping with the same field names
 
 
 def _log_epistemic(s: Mapping[str, Any]) -> float:

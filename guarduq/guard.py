@@ -29,7 +29,7 @@ from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, LoadedModel, ModelInfo, fingerprint, load_model
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
-from guarduq.uncertainty import GradientScorer, Scores, mean_token_prob, model_lock
+from guarduq.scoring.uncertainty import GradientScorer, Scores, mean_token_prob, model_lock
 
 log = get_logger("guard")
 

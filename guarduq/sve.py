@@ -48,7 +48,7 @@ from guarduq.errors import (
 )
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, cache_root, fingerprint
-from guarduq.uncertainty import select_parameters
+from guarduq.scoring.uncertainty import select_parameters
 
 log = get_logger("sve")
 

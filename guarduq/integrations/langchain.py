@@ -59,7 +59,7 @@ from guarduq.guard import Guard, GuardedResponse
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, LoadedModel
 from guarduq.policy import Decision, Policy
-from guarduq.uncertainty import Scores
+from guarduq.scoring.uncertainty import Scores
 
 log = get_logger("langchain")
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from guarduq import Guard, layout
-from guarduq.baselines import (
+from guarduq.errors import InputError, ScoringError
+from guarduq.scoring.baselines import (
     BASELINES,
     Consistency,
     MaxProbability,
@@ -26,8 +27,7 @@ from guarduq.baselines import (
     true_probability,
     word_variants,
 )
-from guarduq.errors import InputError, ScoringError
-from guarduq.uncertainty import Scores
+from guarduq.scoring.uncertainty import Scores
 
 
 class BigramLM(nn.Module):

@@ -28,7 +28,7 @@ from guarduq.calibration import (
 )
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 from guarduq.report import FIGURES, write_report
-from guarduq.uncertainty import Scores
+from guarduq.scoring.uncertainty import Scores
 
 FP = "a" * 32
 

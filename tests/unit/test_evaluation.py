@@ -24,7 +24,7 @@ from guarduq.cli import main
 from guarduq.datasets import load_dataset
 from guarduq.errors import CacheCorruptError, InputError
 from guarduq.evaluation import ScoreCache, score_dataset
-from guarduq.uncertainty import Scores
+from guarduq.scoring.uncertainty import Scores
 from tests.conftest import make_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -32,7 +32,7 @@ from guarduq.integrations.langchain import (
     guard_runnable,
 )
 from guarduq.policy import Policy
-from guarduq.uncertainty import GradientScorer
+from guarduq.scoring.uncertainty import GradientScorer
 from tests.conftest import tiny_llama
 
 SYSTEM = "Be brief."

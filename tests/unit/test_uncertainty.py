@@ -10,7 +10,7 @@ import torch
 
 from guarduq import layout
 from guarduq.errors import InputError
-from guarduq.uncertainty import GradientScorer, select_parameters
+from guarduq.scoring.uncertainty import GradientScorer, select_parameters
 from tests.conftest import tiny_gpt2, tiny_llama
 
 PROMPT = "What is two plus two?"

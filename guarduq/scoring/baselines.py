@@ -2,7 +2,7 @@
 
 Every score follows guarduq's convention: **higher = more uncertain**.
 
-From the one forward pass guarduq already makes (read off :class:`~guarduq.uncertainty.Scores`,
+From the one forward pass guarduq already makes (read off :class:`~guarduq.scoring.uncertainty.Scores`,
 never recomputed):
 
 * ``max_prob``: the maximum-sequence-probability baseline, −log p(y|x) = −Σ_t log p_t.
@@ -36,7 +36,7 @@ from guarduq import layout
 from guarduq.datasets import normalize_answer
 from guarduq.errors import InputError, ScoringError
 from guarduq.layout import PromptLike
-from guarduq.uncertainty import Scores, model_lock
+from guarduq.scoring.uncertainty import Scores, model_lock
 
 
 class ModelHolder(Protocol):
