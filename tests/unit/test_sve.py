@@ -14,7 +14,9 @@ from transformers.pytorch_utils import Conv1D
 
 from guarduq import layout
 from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError, SVEError
-from guarduq.sve import SVELinear, SVEnsemble, _member_batch, _same_answer
+from guarduq.sve import SVELinear, SVEnsemble
+from guarduq.sve.results import _same_answer
+from guarduq.sve.training import _member_batch
 from tests.conftest import make_tokenizer as tiny_tokenizer
 from tests.conftest import tiny_gpt2 as conftest_gpt2
 from tests.conftest import tiny_llama
