@@ -3,7 +3,7 @@
 For each model (SmolLM2-135M-Instruct, chat prompts; Gemma-3-270m, a base model, few-shot
 prompts) and dataset (TruthfulQA mc and generation, TriviaQA):
 
-1. ``guarduq.evaluation.score_dataset``: the greedy answer (or the chosen option), its label and
+1. ``guarduq.calibration.evaluation.score_dataset``: the greedy answer (or the chosen option), its label and
    guarduq's scores, cached per item (the calibration helper's cache, reused as is).
 2. Baselines on the same (prompt, response) pairs, cached per item in their own JSONL: P(True),
    sampling consistency (K samples; not for multiple choice, where the response is an option
@@ -46,8 +46,8 @@ from tqdm.auto import tqdm
 
 from guarduq import Guard, layout
 from guarduq.calibration import Calibrator, auroc, ece, risk_coverage, signal_values
-from guarduq.datasets import Item, default_data_dir, load_dataset
-from guarduq.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
+from guarduq.calibration.datasets import Item, default_data_dir, load_dataset
+from guarduq.calibration.evaluation import QA_MAX_NEW_TOKENS, ScoreCache, ScoredItem, score_dataset
 from guarduq.models import load_model
 from guarduq.scoring.baselines import Consistency, PTrue, agreement, cut_at_stops, from_scores
 from guarduq.scoring.uncertainty import Scores

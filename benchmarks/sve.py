@@ -38,8 +38,8 @@ from safetensors import safe_open
 
 from guarduq import layout
 from guarduq.calibration import brier, ece, reliability_bins
+from guarduq.calibration.datasets import default_data_dir
 from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2
-from guarduq.datasets import default_data_dir
 from guarduq.models import cache_root, load_model
 from guarduq.sve import KNOWN_TARGETS, SVEnsemble
 

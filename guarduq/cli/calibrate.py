@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.calibration import DEFAULT_FEATURES, FEATURES, Calibrator, Evaluation
-from guarduq.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -97,7 +97,7 @@ def _score_all(
     args: argparse.Namespace, model_spec: str, check: Callable[[Any], None] | None = None
 ) -> tuple[Any, list[Dataset], list[Any]]:
     """Load data (fails fast on bad files), then the model (``check`` it), then score (cached)."""
-    from guarduq.evaluation import check_guard_errors, score_dataset
+    from guarduq.calibration.evaluation import check_guard_errors, score_dataset
     from guarduq.guard import Guard  # heavy import (torch) only when needed
     from guarduq.layout import has_chat_template
 
@@ -135,7 +135,7 @@ def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
 
 def _splitter(datasets: Sequence[Dataset], fractions: dict[str, float]) -> Callable[[Any], str]:
     """record -> its split, keyed by the item's group (TruthfulQA gen/mc share a question)."""
-    from guarduq.datasets import split_of
+    from guarduq.calibration.datasets import split_of
 
     groups = {it.id: (it.group or it.id) for d in datasets for it in d.items}
     return lambda record: split_of(groups.get(record.id, record.id), **fractions)
@@ -150,7 +150,7 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], evaluation: Evaluat
         json.dump(payload, sys.stdout, indent=1, default=_json_default)
         sys.stdout.write("\n")
         return
-    from guarduq.report import metrics_rows
+    from guarduq.calibration.report import metrics_rows
 
     by_name = {"all": evaluation.metrics, **evaluation.per_dataset}
     headers, rows = metrics_rows(by_name)
@@ -195,7 +195,7 @@ def _json_default(o: Any) -> Any:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from guarduq.evaluation import summarize
+    from guarduq.calibration.evaluation import summarize
 
     features = tuple(f.strip() for f in args.features.split(",") if f.strip())
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
@@ -237,7 +237,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     sha = cal.save(args.out)
     evaluation.calibrator_sha256 = sha
     if args.report:
-        from guarduq.report import write_report
+        from guarduq.calibration.report import write_report
 
         write_report(cal, args.report)
     payload = {
@@ -273,7 +273,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     evaluation = cal.evaluate(*_xy(ok))
     evaluation.n_invalid += len(selected) - len(ok)  # unscorable items (errors, invalid scores)
     if args.report:
-        from guarduq.report import write_report
+        from guarduq.calibration.report import write_report
 
         write_report(evaluation, args.report)
     header = f"evaluated {args.calibrator} on {len(ok)} items (model {guard.info.name})"
@@ -282,7 +282,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from guarduq.report import write_report
+    from guarduq.calibration.report import write_report
 
     cal = Calibrator.load(args.calibrator)
     page = write_report(cal, args.out)

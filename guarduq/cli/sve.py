@@ -4,7 +4,7 @@ Two kinds of data:
 
 * ``--dataset sst2``: SST-2 TSV (``sentence``, ``label``), trained as classification over the
   label words' next-token probabilities (``negative`` / ``positive``);
-* any loader of :mod:`guarduq.datasets` (``arc``, ``triviaqa``, ``truthfulqa-mc``, ...): trained
+* any loader of :mod:`guarduq.calibration.datasets` (``arc``, ``triviaqa``, ``truthfulqa-mc``, ...): trained
   with the language-model loss on the (prompt, correct answer) pairs.
 """
 
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from guarduq.datasets import DATASETS, Item, load_dataset
+from guarduq.calibration.datasets import DATASETS, Item, load_dataset
 from guarduq.errors import DatasetError
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, load_model

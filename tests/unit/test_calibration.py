@@ -26,8 +26,8 @@ from guarduq.calibration import (
     prr,
     select_threshold,
 )
+from guarduq.calibration.report import FIGURES, write_report
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
-from guarduq.report import FIGURES, write_report
 from guarduq.scoring.uncertainty import Scores
 
 FP = "a" * 32

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from guarduq.datasets import (
+from guarduq.calibration.datasets import (
     DATASETS,
     FEWSHOT_STOP,
     TRUTHFULQA_NO_COMMENT,

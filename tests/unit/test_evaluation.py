@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
+from guarduq.calibration.datasets import load_dataset
+from guarduq.calibration.evaluation import ScoreCache, score_dataset
 from guarduq.cli import main
-from guarduq.datasets import load_dataset
 from guarduq.errors import CacheCorruptError, InputError
-from guarduq.evaluation import ScoreCache, score_dataset
 from guarduq.scoring.uncertainty import Scores
 from tests.conftest import make_tokenizer, tiny_llama
 
@@ -231,8 +231,8 @@ WORKER = textwrap.dedent(
     """
     import sys, time
     from guarduq import Guard
-    from guarduq.datasets import load_dataset
-    from guarduq.evaluation import score_dataset
+    from guarduq.calibration.datasets import load_dataset
+    from guarduq.calibration.evaluation import score_dataset
 
     model, data, cache, delay = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     guard = Guard(model)

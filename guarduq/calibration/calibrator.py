@@ -26,470 +26,40 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
-from scipy import stats
 from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import roc_auc_score, roc_curve
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
+from guarduq._version import __version__
+from guarduq.calibration.features import (
+    DEFAULT_FEATURES,
+    FEATURES,
+    ScoreLike,
+    _labels,
+    as_score_dict,
+    feature_matrix,
+)
+from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
+from guarduq.calibration.thresholds import (
+    Threshold,
+    select_threshold,
+)
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 
 log = get_logger("calibration")
 
 FORMAT = "guarduq-calibrator"
 FORMAT_VERSION = 1
-ECE_BINS = 15
-# An exactly-zero gradient (p̄ saturated) would make log(epistemic) = -inf; floor it instead.
-EPISTEMIC_FLOOR = 1e-12
 MIN_FIT_ITEMS = 10
-
-ScoreLike = Any  # guarduq.scoring.uncertainty.Scores or a mapping with the same field names
-
-
-def _log_epistemic(s: Mapping[str, Any]) -> float:
-    e = float(s["epistemic"])
-    return math.log(max(e, EPISTEMIC_FLOOR)) if e >= 0 else math.nan
-
-
-FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
-    "log_epistemic": _log_epistemic,
-    "aleatoric": lambda s: float(s["aleatoric"]),
-    "mean_logprob": lambda s: float(s["mean_logprob"]),
-    "min_token_prob": lambda s: float(s["min_token_prob"]),
-    "n_tokens": lambda s: float(s["n_tokens"]),
-    "mean_token_prob": lambda s: float(s["mean_token_prob"]),
-    "mean_entropy": lambda s: float(s["mean_entropy"]),
-}
-DEFAULT_FEATURES: tuple[str, ...] = ("log_epistemic", "aleatoric")
-
-# Raw signals whose AUROC is reported, each oriented "higher = more likely wrong".
-SIGNALS: tuple[str, ...] = ("epistemic", "aleatoric", "combined", "mean_logprob", "risk")
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def as_score_dict(scores: ScoreLike) -> dict[str, Any]:
-    """A ``Scores`` object or a mapping (a cache line) as a plain dict of its fields."""
-    if isinstance(scores, Mapping):
-        return dict(scores)
-    to_dict = getattr(scores, "to_dict", None)
-    if callable(to_dict):
-        return to_dict(with_token_probs=False)
-    raise CalibrationError(f"expected Scores or a mapping of scores, got {type(scores).__name__}")
-
-
-def feature_matrix(
-    scores: Iterable[ScoreLike], features: Sequence[str]
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(X, valid)``: one row per response; ``valid`` is False for invalid or non-finite rows."""
-    rows, valid = [], []
-    for s in scores:
-        d = as_score_dict(s)
-        try:
-            row = [FEATURES[f](d) for f in features]
-        except (KeyError, TypeError, ValueError):
-            row = [math.nan] * len(features)
-        ok = bool(d.get("valid", True)) and all(math.isfinite(v) for v in row)
-        rows.append(row)
-        valid.append(ok)
-    X = np.asarray(rows, dtype=float).reshape(len(rows), len(features))
-    return X, np.asarray(valid, dtype=bool)
-
-
-def _labels(labels: Iterable[Any], n: int) -> np.ndarray:
-    y = np.asarray(list(labels))
-    if y.shape != (n,):
-        raise CalibrationError(f"got {y.size} labels for {n} scores")
-    if y.dtype == bool:
-        y = y.astype(int)
-    if not np.isin(y, (0, 1)).all():
-        raise CalibrationError("labels must be 0 (wrong) or 1 (correct)")
-    return y.astype(int)
-
-
-def _check_targets(alpha: float, delta: float) -> None:
-    if not 0 < alpha < 1:
-        raise CalibrationError(f"alpha must be in (0, 1), got {alpha}")
-    if not 0 < delta < 1:
-        raise CalibrationError(f"delta must be in (0, 1), got {delta}")
-
-
-# --------------------------------------------------------------------------- thresholds
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """A risk threshold for one (alpha, delta) target, as chosen on calibration data.
-
-    ``threshold`` is None when no candidate could be certified; ``message`` then says so.
-    Answers are accepted when ``risk <= threshold``.
-    """
-
-    alpha: float
-    delta: float
-    threshold: float | None
-    coverage: float  # fraction of calibration items accepted at the threshold
-    n: int  # calibration items used
-    n_accepted: int
-    errors: int
-    error_rate: float | None
-    upper_bound: float | None  # Clopper-Pearson (1 - delta) upper bound on the error rate
-    message: str | None = None
-
-    @property
-    def met(self) -> bool:
-        return self.threshold is not None
-
-
-def clopper_pearson_upper(errors: int, n: int, delta: float) -> float:
-    """One-sided exact (1 - delta) upper confidence bound on a binomial error rate."""
-    if n == 0:
-        return 1.0
-    if errors >= n:
-        return 1.0
-    return float(stats.beta.ppf(1 - delta, errors + 1, n - errors))
-
-
-def default_grid() -> np.ndarray:
-    """Candidate thresholds fixed before seeing data (step 0.001 on [0, 1])."""
-    return np.round(np.linspace(0.0, 1.0, 1001), 6)
-
-
-def start_size(alpha: float, delta: float) -> int:
-    """Smallest n at which k = floor(n * alpha / 2) errors would pass the exact binomial test."""
-    _check_targets(alpha, delta)
-    n = math.ceil(math.log(delta) / math.log(1 - alpha))  # zero errors pass from here on
-    while stats.binom.cdf(math.floor(n * alpha / 2), n, alpha) > delta:
-        n += 1
-    return n
-
-
-def select_threshold(
-    risk: np.ndarray,
-    wrong: np.ndarray,
-    alpha: float,
-    delta: float,
-    grid: np.ndarray | None = None,
-    min_accepted: int | None = None,
-) -> Threshold:
-    """Learn-then-Test with a fixed sequence, strict -> loose.
-
-    For each candidate t, H0(t): the error rate among answers with risk <= t exceeds alpha.
-    Its exact binomial p-value is P(Bin(n_t, alpha) <= k_t) (k_t errors among n_t accepted). Tests
-    run from the strictest t; the first that fails stops the sequence, and the loosest rejected
-    H0 is returned.
-
-    Where the sequence starts matters: with a handful of accepted items one unlucky error fails
-    the first test and stops everything. So it starts at the first threshold accepting at least
-    ``min_accepted`` items (default :func:`start_size`: enough that an observed error rate of
-    alpha / 2 would pass). That choice uses alpha, delta and the unlabelled risks only, so the
-    family-wise guarantee P(error(t*) > alpha) <= delta still holds.
-    """
-    _check_targets(alpha, delta)
-    risk = np.asarray(risk, dtype=float)
-    wrong = np.asarray(wrong, dtype=int)
-    grid = default_grid() if grid is None else np.sort(np.asarray(grid, dtype=float))
-    n = int(risk.size)
-    order = np.argsort(risk, kind="stable")
-    sorted_risk, sorted_wrong = risk[order], wrong[order]
-    n_acc = np.searchsorted(sorted_risk, grid, side="right")
-    cum_err = np.concatenate([[0], np.cumsum(sorted_wrong)])
-    k_acc = cum_err[n_acc]
-    n_min = start_size(alpha, delta) if min_accepted is None else max(1, int(min_accepted))
-    testable = np.flatnonzero(n_acc >= n_min)
-    best: int | None = None
-    if testable.size:
-        idx = testable
-        pvals = stats.binom.cdf(k_acc[idx], n_acc[idx], alpha)
-        failed = np.flatnonzero(pvals > delta)
-        last = failed[0] - 1 if failed.size else idx.size - 1
-        if last >= 0:
-            best = int(idx[last])
-    if best is None:
-        return Threshold(
-            alpha=alpha,
-            delta=delta,
-            threshold=None,
-            coverage=0.0,
-            n=n,
-            n_accepted=0,
-            errors=0,
-            error_rate=None,
-            upper_bound=None,
-            message=(
-                f"no risk threshold keeps the error rate <= {alpha:g} with confidence "
-                f"{1 - delta:g} on these {n} calibration items; nothing would be accepted "
-                f"(need at least {n_min} items accepted with few errors)"
-            ),
-        )
-    na, ka = int(n_acc[best]), int(k_acc[best])
-    return Threshold(
-        alpha=alpha,
-        delta=delta,
-        threshold=float(grid[best]),
-        coverage=na / n if n else 0.0,
-        n=n,
-        n_accepted=na,
-        errors=ka,
-        error_rate=ka / na if na else None,
-        upper_bound=clopper_pearson_upper(ka, na, delta),
-    )
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def auroc(wrong: np.ndarray, signal: np.ndarray) -> float | None:
-    """AUROC of ``signal`` (higher = more uncertain) for detecting wrong answers; None if one class."""
-    wrong = np.asarray(wrong)
-    if np.unique(wrong).size < 2:
-        return None
-    return float(roc_auc_score(wrong, signal))
-
-
-def ece(confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS) -> float:
-    """Expected calibration error with equal-width bins on [0, 1]."""
-    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
-    correct = np.asarray(correct, dtype=float)
-    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
-    total = 0.0
-    for b in range(n_bins):
-        m = bins == b
-        if m.any():
-            total += m.sum() * abs(correct[m].mean() - confidence[m].mean())
-    return float(total / max(confidence.size, 1))
-
-
-def reliability_bins(
-    confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS
-) -> list[dict[str, float]]:
-    """Per-bin (lower edge, mean confidence, accuracy, count) for a reliability diagram."""
-    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
-    correct = np.asarray(correct, dtype=float)
-    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
-    out = []
-    for b in range(n_bins):
-        m = bins == b
-        if m.any():
-            out.append(
-                {
-                    "lo": b / n_bins,
-                    "confidence": float(confidence[m].mean()),
-                    "accuracy": float(correct[m].mean()),
-                    "count": int(m.sum()),
-                }
-            )
-    return out
-
-
-def brier(confidence: np.ndarray, correct: np.ndarray) -> float:
-    return float(np.mean((np.asarray(confidence, float) - np.asarray(correct, float)) ** 2))
-
-
-def risk_coverage(uncertainty: np.ndarray, wrong: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(coverage, selective risk) when answers are accepted from most to least certain."""
-    order = np.argsort(np.asarray(uncertainty, float), kind="stable")
-    errs = np.cumsum(np.asarray(wrong, float)[order])
-    k = np.arange(1, len(order) + 1)
-    return k / len(order), errs / k
-
-
-def aurc(uncertainty: np.ndarray, wrong: np.ndarray) -> float:
-    """Area under the risk-coverage curve (lower is better)."""
-    return float(np.mean(risk_coverage(uncertainty, wrong)[1]))
-
-
-def prr(uncertainty: np.ndarray, wrong: np.ndarray) -> float | None:
-    """Prediction rejection ratio: (AURC_random - AURC) / (AURC_random - AURC_oracle).
-
-    1 = ranks like an oracle, 0 = no better than random (lm-polygraph's headline metric).
-    """
-    wrong = np.asarray(wrong, float)
-    n = wrong.size
-    n_wrong = wrong.sum()
-    if n == 0 or n_wrong in (0, n):
-        return None
-    k = np.arange(1, n + 1)
-    oracle = float(np.mean(np.maximum(0.0, k - (n - n_wrong)) / k))
-    random = float(n_wrong / n)
-    return float((random - aurc(uncertainty, wrong)) / (random - oracle))
-
-
-def _zscore(x: np.ndarray) -> np.ndarray:
-    sd = x.std()
-    return (x - x.mean()) / sd if sd > 0 else np.zeros_like(x)
-
-
-def signal_values(signals: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The AUROC signals, each oriented "higher = more likely wrong".
-
-    ``combined`` = z(log epistemic) + z(aleatoric), standardised on the evaluated data itself
-    (no labels used); ``mean_logprob`` is negated. ``mean_logprob`` and ``risk`` are optional.
-    """
-    log_e = np.log(np.maximum(signals["epistemic"], EPISTEMIC_FLOOR))
-    out = {
-        "epistemic": signals["epistemic"],
-        "aleatoric": signals["aleatoric"],
-        "combined": _zscore(log_e) + _zscore(signals["aleatoric"]),
-    }
-    if "mean_logprob" in signals:
-        out["mean_logprob"] = -signals["mean_logprob"]
-    if "risk" in signals:
-        out["risk"] = signals["risk"]
-    return out
-
-
-def compute_metrics(labels: np.ndarray, signals: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Every reported metric for one set of labelled, valid items."""
-    labels = np.asarray(labels, int)
-    wrong = 1 - labels
-    n = int(labels.size)
-    if n == 0:
-        return {"n": 0, "accuracy": None, "auroc": dict.fromkeys(SIGNALS)}
-    oriented = signal_values(signals)
-    conf_before = np.asarray(signals["mean_token_prob"], float)
-    conf_after = 1.0 - np.asarray(signals["risk"], float)
-    return {
-        "n": n,
-        "accuracy": float(labels.mean()),
-        "auroc": {k: auroc(wrong, v) for k, v in oriented.items()},
-        "ece_before": ece(conf_before, labels),
-        "ece_after": ece(conf_after, labels),
-        "brier_before": brier(conf_before, labels),
-        "brier": brier(conf_after, labels),
-        "aurc": aurc(signals["risk"], wrong),
-        "prr": prr(signals["risk"], wrong),
-    }
-
-
-# --------------------------------------------------------------------------- evaluation result
-
-EVAL_FIELDS = ("epistemic", "aleatoric", "mean_logprob", "mean_token_prob", "risk")
-
-
-@dataclass
-class Evaluation:
-    """Metrics and per-item arrays for one labelled set (what reports are drawn from).
-
-    ``signals`` holds the raw per-item arrays (``EVAL_FIELDS``), aligned with ``labels`` and
-    ``datasets``; invalid items are not in them, only counted in ``n_invalid``.
-    """
-
-    labels: np.ndarray
-    signals: dict[str, np.ndarray]
-    datasets: np.ndarray
-    metrics: dict[str, Any]
-    per_dataset: dict[str, dict[str, Any]]
-    guarantees: list[dict[str, Any]]
-    thresholds: list[Threshold]
-    n_invalid: int = 0
-    model: dict[str, Any] = field(default_factory=dict)
-    calibrator_sha256: str | None = None
-
-    @classmethod
-    def from_arrays(
-        cls,
-        labels: np.ndarray,
-        signals: Mapping[str, np.ndarray],
-        datasets: Sequence[str] | np.ndarray | None,
-        thresholds: Sequence[Threshold],
-        *,
-        n_invalid: int = 0,
-        model: Mapping[str, Any] | None = None,
-        calibrator_sha256: str | None = None,
-    ) -> Evaluation:
-        labels = np.asarray(labels, int)
-        sig = {k: np.asarray(signals[k], float) for k in EVAL_FIELDS}
-        ds = np.asarray(datasets if datasets is not None else ["data"] * labels.size, dtype=str)
-        per_dataset = {}
-        if len(set(ds.tolist())) > 1:
-            for name in sorted(set(ds.tolist())):
-                m = ds == name
-                per_dataset[name] = {
-                    **compute_metrics(labels[m], {k: v[m] for k, v in sig.items()}),
-                    "guarantees": check_guarantees(thresholds, sig["risk"][m], labels[m]),
-                }
-        return cls(
-            labels=labels,
-            signals=sig,
-            datasets=ds,
-            metrics=compute_metrics(labels, sig),
-            per_dataset=per_dataset,
-            guarantees=check_guarantees(thresholds, sig["risk"], labels),
-            thresholds=list(thresholds),
-            n_invalid=n_invalid,
-            model=dict(model or {}),
-            calibrator_sha256=calibrator_sha256,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``guarduq evaluate --json`` object."""
-        return {
-            **self.metrics,
-            "n_invalid": self.n_invalid,
-            "guarantees": self.guarantees,
-            "per_dataset": self.per_dataset,
-            "model": self.model,
-            "calibrator_sha256": self.calibrator_sha256,
-        }
-
-    def data_dict(self, digits: int = 6) -> dict[str, list[Any]]:
-        """Compact per-item arrays (embedded in artifacts so reports can be redrawn)."""
-        out: dict[str, list[Any]] = {
-            "label": self.labels.tolist(),
-            "dataset": self.datasets.tolist(),
-        }
-        for k, v in self.signals.items():
-            out[k] = [float(f"{x:.{digits}g}") for x in v]
-        return out
-
-    @classmethod
-    def from_data_dict(
-        cls, data: Mapping[str, Sequence[Any]], thresholds: Sequence[Threshold], **kw: Any
-    ) -> Evaluation:
-        return cls.from_arrays(
-            np.asarray(data["label"], int),
-            {k: np.asarray(data[k], float) for k in EVAL_FIELDS},
-            data.get("dataset"),
-            thresholds,
-            **kw,
-        )
-
-
-def check_guarantees(
-    thresholds: Sequence[Threshold], risk: np.ndarray, labels: np.ndarray
-) -> list[dict[str, Any]]:
-    """On new data: coverage and error rate at each threshold, and whether error <= alpha held."""
-    out = []
-    risk, labels = np.asarray(risk, float), np.asarray(labels, int)
-    for t in thresholds:
-        row: dict[str, Any] = {"alpha": t.alpha, "delta": t.delta, "threshold": t.threshold}
-        if t.threshold is None or risk.size == 0:
-            row.update(coverage=0.0, n_accepted=0, error_rate=None, held=None)
-            row["note"] = t.message or "no threshold"
-        else:
-            acc = risk <= t.threshold
-            na = int(acc.sum())
-            err = float((1 - labels[acc]).mean()) if na else None
-            # Nothing accepted means no accepted answer was wrong: the guarantee holds vacuously.
-            row.update(
-                coverage=float(acc.mean()),
-                n_accepted=na,
-                error_rate=err,
-                held=bool(err is None or err <= t.alpha),
-            )
-        out.append(row)
-    return out
 
 
 # --------------------------------------------------------------------------- artifact schema
@@ -738,14 +308,12 @@ class Calibrator:
 
     def to_dict(self, include_evaluation_data: bool = True) -> dict[str, Any]:
         self._check_fitted()
-        import guarduq
-
         scaler: StandardScaler = self.pipeline_.named_steps["scale"]
         logistic: LogisticRegression = self.pipeline_.named_steps["logistic"]
         out = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "guarduq_version": getattr(guarduq, "__version__", "unknown"),
+            "guarduq_version": __version__,
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
             "features": list(self.features),
@@ -898,12 +466,3 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return _jsonable(obj.item())
     return obj
-
-
-def roc_points(wrong: np.ndarray, signal: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """(false positive rate, true positive rate) for a ROC plot; None with one class."""
-    wrong = np.asarray(wrong)
-    if wrong.size < 2 or wrong.min() == wrong.max():
-        return None
-    fpr, tpr, _ = roc_curve(wrong, signal)
-    return fpr, tpr

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from guarduq._logging import get_logger
-from guarduq.datasets import Item, label_choice, label_response
+from guarduq.calibration.datasets import Item, label_choice, label_response
 from guarduq.errors import CacheCorruptError, InputError, ScoringError
 
 log = get_logger("evaluation")

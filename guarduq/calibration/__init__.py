@@ -1,0 +1,75 @@
+"""Per-model calibration: raw scores -> risk = P(wrong | scores) -> guaranteed thresholds.
+
+``features`` turns scores into the calibrator's inputs, ``thresholds`` certifies risk thresholds
+(Clopper-Pearson, Learn-then-Test), ``metrics`` measures a labelled set, ``calibrator`` holds the
+:class:`Calibrator` and its JSON artifact. ``datasets`` loads labelled data, ``evaluation`` scores
+it through a guard with a resumable cache, ``report`` draws the plots and HTML (import it from
+:mod:`guarduq.calibration.report`; it needs matplotlib, so the package does not load it).
+"""
+
+from guarduq.calibration.calibrator import FORMAT, FORMAT_VERSION, MIN_FIT_ITEMS, Calibrator
+from guarduq.calibration.features import (
+    DEFAULT_FEATURES,
+    EPISTEMIC_FLOOR,
+    FEATURES,
+    ScoreLike,
+    as_score_dict,
+    feature_matrix,
+)
+from guarduq.calibration.metrics import (
+    ECE_BINS,
+    EVAL_FIELDS,
+    SIGNALS,
+    Evaluation,
+    aurc,
+    auroc,
+    brier,
+    compute_metrics,
+    ece,
+    prr,
+    reliability_bins,
+    risk_coverage,
+    roc_points,
+    signal_values,
+)
+from guarduq.calibration.thresholds import (
+    Threshold,
+    check_guarantees,
+    clopper_pearson_upper,
+    default_grid,
+    select_threshold,
+    start_size,
+)
+
+__all__ = [
+    "DEFAULT_FEATURES",
+    "ECE_BINS",
+    "EPISTEMIC_FLOOR",
+    "EVAL_FIELDS",
+    "FEATURES",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MIN_FIT_ITEMS",
+    "SIGNALS",
+    "Calibrator",
+    "Evaluation",
+    "ScoreLike",
+    "Threshold",
+    "as_score_dict",
+    "aurc",
+    "auroc",
+    "brier",
+    "check_guarantees",
+    "clopper_pearson_upper",
+    "compute_metrics",
+    "default_grid",
+    "ece",
+    "feature_matrix",
+    "prr",
+    "reliability_bins",
+    "risk_coverage",
+    "roc_points",
+    "select_threshold",
+    "signal_values",
+    "start_size",
+]
