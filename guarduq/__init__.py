@@ -1,7 +1,6 @@
 """guarduq: does the model know what it is saying? Per-response epistemic and aleatoric scores."""
 
 from guarduq._version import __version__
-from guarduq.audit import AuditLog
 from guarduq.calibration import Calibrator
 from guarduq.errors import (
     ArtifactError,
@@ -22,7 +21,7 @@ from guarduq.errors import (
 )
 from guarduq.guard import Guard, GuardedResponse
 from guarduq.models import LoadedModel, ModelInfo, fingerprint, load_model
-from guarduq.policy import Decision, Policy, SecondOpinion
+from guarduq.policy import AuditLog, Decision, Policy, SecondOpinion
 from guarduq.scoring import GradientScorer, Scores
 from guarduq.sve import SVEnsemble
 

@@ -23,12 +23,12 @@ from tqdm.auto import tqdm
 
 from guarduq import layout
 from guarduq._logging import get_logger
-from guarduq.audit import AuditLog, make_record
 from guarduq.calibration import Calibrator, feature_matrix
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, LoadedModel, ModelInfo, fingerprint, load_model
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
+from guarduq.policy.audit import AuditLog, make_record
 from guarduq.scoring.uncertainty import GradientScorer, Scores, mean_token_prob, model_lock
 
 log = get_logger("guard")

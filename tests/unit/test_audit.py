@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from guarduq.audit import AuditLog, make_record
 from guarduq.errors import GuardUQError
+from guarduq.policy.audit import AuditLog, make_record
 
 PROMPT = "What is the capital of France?"
 RESPONSE = "The capital of France is Paris."
@@ -144,7 +144,7 @@ def test_a_process_killed_right_after_a_call_leaves_a_complete_last_line(tmp_pat
     path = tmp_path / "audit.jsonl"
     script = textwrap.dedent(f"""\
         import os, signal, sys
-        from guarduq.audit import AuditLog, make_record
+        from guarduq.policy.audit import AuditLog, make_record
         log = AuditLog({str(path)!r})
         for i in range(3):
             log.append(make_record(request_id=f"req-{{i}}", model_fingerprint="fp", policy=None,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from guarduq.errors import EscalationError, PolicyError
-from guarduq.escalation import CallableSink, JsonlSink, WebhookSink, make_sink
 from guarduq.policy import Policy
+from guarduq.policy.escalation import CallableSink, JsonlSink, WebhookSink, make_sink
 
 CASE = {"request_id": "r-1", "prompt": "Q?", "response": "A.", "scores": {"risk": 0.5}}
 

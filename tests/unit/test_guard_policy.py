@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from guarduq import Guard
-from guarduq.audit import AuditLog
 from guarduq.calibration import Calibrator
 from guarduq.errors import FingerprintMismatchError, GuardUQAbstention, PolicyError, ScoringError
 from guarduq.guard import calibrate
+from guarduq.policy.audit import AuditLog
 
 PROMPT, RESPONSE = "Name a colour.", "Blue"
 

@@ -30,8 +30,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from guarduq._logging import get_logger
-from guarduq.audit import append_durably, json_line
 from guarduq.errors import EscalationError, PolicyError
+from guarduq.policy.audit import append_durably, json_line
 
 log = get_logger("escalation")
 
