@@ -3,8 +3,8 @@
 For each model (SmolLM2-135M-Instruct, chat prompts; Gemma-3-270m, a base model, few-shot
 prompts) and dataset (TruthfulQA mc and generation, TriviaQA):
 
-1. ``guarduq.calibration.evaluation.score_dataset``: the greedy answer (or the chosen option), its label and
-   guarduq's scores, cached per item (the calibration helper's cache, reused as is).
+1. ``guarduq.calibration.evaluation.score_dataset``: the greedy answer (or the chosen option),
+   its label and guarduq's scores, cached per item (the calibration helper's cache, reused as is).
 2. Baselines on the same (prompt, response) pairs, cached per item in their own JSONL: P(True),
    sampling consistency (K samples; not for multiple choice, where the response is an option
    text that free samples never reproduce), one timed greedy generation (the unit of cost).

@@ -4,8 +4,9 @@ Two kinds of data:
 
 * ``--dataset sst2``: SST-2 TSV (``sentence``, ``label``), trained as classification over the
   label words' next-token probabilities (``negative`` / ``positive``);
-* any loader of :mod:`guarduq.calibration.datasets` (``arc``, ``triviaqa``, ``truthfulqa-mc``, ...): trained
-  with the language-model loss on the (prompt, correct answer) pairs.
+* any loader of :mod:`guarduq.calibration.datasets` (``arc``, ``triviaqa``,
+  ``truthfulqa-mc``, ...): trained with the language-model loss on the (prompt, correct answer)
+  pairs.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every score follows guarduq's convention: **higher = more uncertain**.
 
-From the one forward pass guarduq already makes (read off :class:`~guarduq.scoring.uncertainty.Scores`,
-never recomputed):
+From the one forward pass guarduq already makes (read off
+:class:`~guarduq.scoring.uncertainty.Scores`, never recomputed):
 
 * ``max_prob``: the maximum-sequence-probability baseline, −log p(y|x) = −Σ_t log p_t.
 * ``perplexity``: log-perplexity, −(1/T) Σ_t log p_t (monotone in perplexity, so same AUROC).
