@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import json
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any, Literal
 
-from langchain_core.callbacks import (
-    CallbackManagerForLLMRun,
-)
-from langchain_core.language_models import BaseChatModel
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import (
-    ChatGeneration,
-    ChatGenerationChunk,
-    ChatResult,
-)
-from pydantic import ConfigDict, Field, model_validator
+from langchain_core.messages.tool import InvalidToolCall, ToolCall, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from guarduq import layout
 from guarduq._logging import get_logger
-from guarduq.errors import InputError
+from guarduq.errors import GuardUQAbstention, InputError
 from guarduq.guard import Guard, GuardedResponse
 from guarduq.integrations.langchain.common import (
     METADATA_KEY,
@@ -29,9 +34,16 @@ from guarduq.integrations.langchain.common import (
     to_chat_messages,
     with_policy,
 )
-from guarduq.layout import PromptLike
+from guarduq.integrations.langchain.structured import JsonWriter, with_instruction, write_tool_call
+from guarduq.integrations.langchain.tools import (
+    as_openai_tools,
+    guard_with_tools,
+    parse_tool_calls,
+    tool_names,
+)
 from guarduq.models import DEFAULT_MODEL
 
+STRUCTURED_KEY = "guarduq_structured"  # the bound kwarg that carries a structured-output request
 log = get_logger("langchain")
 
 
@@ -80,6 +92,86 @@ class GuardedChatModel(BaseChatModel):
             "policy": f"{policy.name}@{policy.version}" if policy is not None else None,
         }
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """No: the model holds a loaded Guard (torch weights, policy, audit log), not a config."""
+        return False
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        """LangSmith tracing metadata: provider, model name (a per-call ``model`` wins), settings."""
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "guarduq"
+        model = kwargs.get("model")
+        params["ls_model_name"] = model if isinstance(model, str) else self.guard.info.name
+        params.setdefault("ls_max_tokens", self.guard.max_new_tokens)
+        stops = [*(self.stop or []), *(stop or [])]
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    # -- structured output and tools
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """A runnable that answers with data of ``schema`` (pydantic class, TypedDict or JSON schema).
+
+        ``json_schema`` (default) and ``function_calling`` tell the model the schema and write the
+        JSON by schema-guided decoding (see :mod:`.structured`): it always parses to the schema.
+        ``json_mode`` does not add the schema to the prompt (your prompt asks for the JSON); with a
+        schema the decoding is still guided, without one the reply is parsed as it comes.
+
+        The JSON is scored like any reply: ``include_raw=True`` returns ``{"raw": AIMessage,
+        "parsed": ..., "parsing_error": ...}`` whose ``raw.response_metadata["guarduq"]`` holds the
+        scores and decision. When the Guard's policy withholds the answer, a
+        ``GuardUQAbstention`` is raised (a message cannot stand in for data).
+        """
+        if kwargs:
+            raise InputError(f"with_structured_output: unsupported arguments {sorted(kwargs)}")
+        if method not in ("json_schema", "function_calling", "json_mode"):
+            raise InputError(f"with_structured_output: unknown method {method!r}")
+        if schema is None and method != "json_mode":
+            raise InputError(f"with_structured_output: method {method!r} needs a schema")
+        json_schema = None if schema is None else _json_schema(schema)
+        bound: dict[str, Any] = {STRUCTURED_KEY: {"schema": json_schema, "method": method}}
+        if schema is not None:
+            bound["ls_structured_output_format"] = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        llm = self.bind(**bound)
+        parser: Runnable[Any, Any]
+        if isinstance(schema, type) and is_basemodel_subclass(schema):
+            parser = PydanticOutputParser(pydantic_object=schema)
+        else:
+            parser = JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = assign.with_fallbacks([RunnablePassthrough.assign(parsed=lambda _: None)],
+                                         exception_key="parsing_error")
+        return RunnableMap(raw=llm) | fallback
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools, if the model's chat template renders them; else an ``InputError`` says so.
+
+        ``tool_choice`` ``None``/``"auto"``: the model answers or calls a tool, as it likes;
+        ``"any"``/``"required"``/``True``/a tool name: a call is written by schema-guided
+        decoding (the model picks the tool among those allowed and fills its arguments).
+        """
+        specs = as_openai_tools(tools)
+        guard_with_tools(self.guard, specs)  # fails early, with the reason, on a template without tools
+        return self.bind(tools=specs, tool_choice=_forced_names(tool_choice, tool_names(specs)), **kwargs)
+
     # -- LangChain's hooks
 
     def _generate(
@@ -89,9 +181,11 @@ class GuardedChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        prompt = to_chat_messages(messages)
-        r = _last(self.guard.stream(prompt, **self._settings(stop, kwargs)))
-        message = AIMessage(content=shown_text(r), **self._annotations(prompt, r))
+        request = self._request(messages, stop, kwargs)
+        if request.special:
+            return ChatResult(generations=[ChatGeneration(message=self._special_reply(request))])
+        r = _last(request.guard.stream(request.prompt, **request.settings))
+        message = AIMessage(content=shown_text(r), **self._annotations(request, r))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(
@@ -101,19 +195,75 @@ class GuardedChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        prompt = to_chat_messages(messages)
-        policy = self.guard.policy
+        request = self._request(messages, stop, kwargs)
+        if request.special:  # data and tool calls come whole, in one chunk
+            message = self._special_reply(request)
+            chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                      for i, c in enumerate(message.tool_calls)]
+            yield ChatGenerationChunk(message=AIMessageChunk(
+                content=message.content, tool_call_chunks=chunks, chunk_position="last",
+                response_metadata=message.response_metadata, usage_metadata=message.usage_metadata,
+            ))
+            return
+        policy = request.guard.policy
         live = self.stream_unchecked or policy is None or policy.shadow
-        for item in self.guard.stream(prompt, **self._settings(stop, kwargs)):
+        for item in request.guard.stream(request.prompt, **request.settings):
             if isinstance(item, str):
                 if live:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue
             content = "" if live else shown_text(item)
-            last = AIMessageChunk(content=content, chunk_position="last", **self._annotations(prompt, item))
+            last = AIMessageChunk(content=content, chunk_position="last", **self._annotations(request, item))
             yield ChatGenerationChunk(message=last)
 
     # -- helpers
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
+        kwargs = dict(kwargs)
+        model = kwargs.pop("model", None)
+        if model is not None and model not in (self.guard.info.name, self.guard.info.fingerprint):
+            raise InputError(
+                f"GuardedChatModel runs its Guard's model {self.guard.info.name!r}; a per-call model "
+                f"({model!r}) is not supported: build a GuardedChatModel on a Guard of that model"
+            )
+        structured = kwargs.pop(STRUCTURED_KEY, None) or {}
+        specs = kwargs.pop("tools", None) or []
+        forced = kwargs.pop("tool_choice", None)
+        guard = guard_with_tools(self.guard, specs) if specs else self.guard
+        prompt: list[dict[str, str]] = to_chat_messages(messages)
+        schema = structured.get("schema")
+        if schema is not None and structured.get("method") != "json_mode":
+            prompt = with_instruction(prompt, schema)
+        return _Request(guard, prompt, self._settings(stop, kwargs), schema, specs, forced)
+
+    def _special_reply(self, request: _Request) -> AIMessage:
+        """A structured answer or a forced tool call (schema-guided), or a reply read for tool calls."""
+        guard, prompt = request.guard, request.prompt
+        budget = int(request.settings.get("max_new_tokens", guard.max_new_tokens))
+        calls: list[ToolCall] = []
+        invalid: list[InvalidToolCall] = []
+        extra: dict[str, Any] = {}
+        if request.schema is not None:
+            reply = JsonWriter(guard, prompt, budget).write(request.schema)
+            text, content, extra = reply.text, reply.text, {"truncated": reply.truncated}
+            r = guard.guarded(prompt, text, ended=True)
+        elif request.forced:
+            call = write_tool_call(guard, prompt, request.tools, request.forced, budget)
+            text, content = call.text, ""
+            calls = [ToolCall(name=call.name, args=call.args, id=f"call_{uuid.uuid4().hex[:24]}", type="tool_call")]
+            r = guard.guarded(prompt, text, ended=True)
+        else:
+            r = _last(guard.stream(prompt, **request.settings))
+            text = r.text
+            content, calls, invalid = parse_tool_calls(text, tool_names(request.tools))
+        if r.decision is not None and not r.decision.shown:
+            if request.schema is not None or calls or invalid:
+                raise GuardUQAbstention(r.decision.text, r.decision)
+            content = r.decision.text
+        annotations = self._annotations(request, r)
+        if extra:
+            annotations["response_metadata"][METADATA_KEY]["structured"] = extra
+        return AIMessage(content=content, tool_calls=calls, invalid_tool_calls=invalid, **annotations)
 
     def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Guard.stream arguments from LangChain's: stop, max_tokens, temperature, the rest as is."""
@@ -131,14 +281,59 @@ class GuardedChatModel(BaseChatModel):
             settings.update(do_sample=True, temperature=float(temperature))
         return settings
 
-    def _annotations(self, prompt: PromptLike, r: GuardedResponse) -> dict[str, Any]:
-        tok = self.guard.tokenizer
-        n_in = len(layout.prompt_ids(tok, prompt))
+    @staticmethod
+    def _annotations(request: _Request, r: GuardedResponse) -> dict[str, Any]:
+        """Metadata and exact token counts: the templated prompt in, the scored reply out."""
+        tok = request.guard.tokenizer
+        n_in = len(layout.prompt_ids(tok, request.prompt))
         n_out = len(tok(r.text, add_special_tokens=False)["input_ids"]) + int(r.ended)
         return {
-            "response_metadata": {"model_name": self.guard.info.name, METADATA_KEY: metadata(r, "model")},
+            "response_metadata": {"model_name": request.guard.info.name, METADATA_KEY: metadata(r, "model")},
             "usage_metadata": UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
         }
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One call, resolved: the Guard (with tools, if bound), the prompt and what to produce."""
+
+    guard: Guard
+    prompt: list[dict[str, str]]
+    settings: dict[str, Any]
+    schema: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    forced: list[str] | None = None
+
+    @property
+    def special(self) -> bool:
+        return self.schema is not None or bool(self.tools)
+
+
+def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
+    try:
+        out = convert_to_json_schema(schema)
+    except Exception as exc:
+        raise InputError(f"with_structured_output: cannot read the schema: {exc}") from exc
+    if _object_schema(out):
+        return out
+    raise InputError("with_structured_output: the schema must describe a JSON object")
+
+
+def _object_schema(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "object" or "properties" in schema
+
+
+def _forced_names(choice: Any, names: list[str]) -> list[str] | None:
+    """The tools a call must be made to, or None when the model may answer in text."""
+    if choice in (None, False, "auto", "none"):
+        return None
+    if choice in (True, "any", "required"):
+        return names
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if isinstance(choice, str) and choice in names:
+        return [choice]
+    raise InputError(f"tool_choice {choice!r} names no bound tool (bound: {', '.join(names)})")
 
 
 def _last(items: Iterator[str | GuardedResponse]) -> GuardedResponse:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import BaseMessage, ChatMessage
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage
 from langchain_core.outputs import (
     ChatGeneration,
     Generation,
@@ -14,6 +14,7 @@ from langchain_core.outputs import (
 
 from guarduq.errors import InputError, PolicyError
 from guarduq.guard import Guard, GuardedResponse
+from guarduq.integrations.langchain.tools import tool_call_text
 from guarduq.models import LoadedModel
 from guarduq.policy import Policy
 
@@ -38,7 +39,10 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
         role = _ROLES.get(kind)
         if role is None:
             raise InputError(f"message {i}: cannot map a {kind!r} message to a chat role")
-        out.append({"role": role, "content": str(m.text)})
+        content = str(m.text)
+        if isinstance(m, AIMessage) and m.tool_calls:  # written back as the model would write them
+            content = "\n".join([content, *(tool_call_text(c["name"], c["args"]) for c in m.tool_calls)]).strip()
+        out.append({"role": role, "content": content})
     return out
 
 
