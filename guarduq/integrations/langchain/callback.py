@@ -27,13 +27,14 @@ from guarduq.integrations.langchain.common import (
     PolicyLike,
     _ended,
     _payload_of,
+    as_policy,
     metadata,
     to_chat_messages,
     with_policy,
 )
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL
-from guarduq.policy import Decision, Policy
+from guarduq.policy import Decision
 from guarduq.uncertainty import Scores
 
 log = get_logger("langchain")
@@ -93,7 +94,7 @@ class GuardUQCallbackHandler(BaseCallbackHandler):
     ) -> None:
         if max_runs < 1:
             raise InputError(f"max_runs must be >= 1, got {max_runs}")
-        self._policy = Policy.from_yaml(policy) if isinstance(policy, str | os.PathLike) else policy
+        self._policy = as_policy(policy)
         self._scorer: Guard | None = with_policy(scorer, self._policy) if isinstance(scorer, Guard) else None
         self._spec = None if isinstance(scorer, Guard) else scorer
         self.max_runs = max_runs

@@ -19,7 +19,7 @@ from guarduq.models import LoadedModel
 from guarduq.policy import Policy
 
 METADATA_KEY = "guarduq"  # the key under response_metadata / generation_info
-PolicyLike = Policy | str | os.PathLike[str] | None
+PolicyLike = Policy | str | os.PathLike[str] | Mapping[str, Any] | None
 
 # --------------------------------------------------------------------------- shared pieces
 
@@ -46,6 +46,17 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
+def as_policy(policy: PolicyLike) -> Policy | None:
+    """A Policy from a Policy, a YAML path or a mapping (``None`` stays ``None``)."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str | os.PathLike):
+        return Policy.from_yaml(policy)
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(policy)
+    raise InputError(f"policy must be a Policy, a YAML path or a mapping, got {type(policy).__name__}")
+
+
 def with_policy(guard: Guard, policy: PolicyLike) -> Guard:
     """``guard`` itself, or a Guard with ``policy`` on the same loaded model (shared weights).
 
@@ -56,6 +67,7 @@ def with_policy(guard: Guard, policy: PolicyLike) -> Guard:
         return guard
     if not isinstance(guard, Guard):
         raise InputError(f"guard must be a guarduq.Guard, got {type(guard).__name__}")
+    policy = as_policy(policy)
     if guard.policy is not None:
         raise PolicyError(
             f"the Guard already has policy {guard.policy.name!r}; pass a policy to the Guard or "

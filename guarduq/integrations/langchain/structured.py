@@ -192,10 +192,24 @@ class JsonWriter:
     # -- the model's part
 
     def _next_logits(self) -> torch.Tensor:
-        ids = self._prompt_ids + self.guard.tokenizer(self.text, add_special_tokens=False)["input_ids"]
-        layout.check_fits(self.guard.model, len(ids) + 1)
-        x = torch.tensor([ids], dtype=torch.long, device=self._device)
-        out = self.guard.model(input_ids=x, use_cache=True)
+        """Logits after prompt + text; the prompt's KV cache is computed once and kept."""
+        text_ids = self.guard.tokenizer(self.text, add_special_tokens=False)["input_ids"] if self.text else []
+        n_prompt = len(self._prompt_ids)
+        layout.check_fits(self.guard.model, n_prompt + len(text_ids) + 1)
+        cache = self._cache
+        if cache is not None and hasattr(cache, "crop") and hasattr(cache, "get_seq_length"):
+            extra = int(cache.get_seq_length()) - n_prompt
+            if extra > 0:
+                cache.crop(-extra)  # back to the prompt alone (negative: tokens to drop)
+        else:
+            cache, text_ids = None, self._prompt_ids + text_ids
+        if not text_ids:
+            text_ids = self._prompt_ids[-1:]
+            if cache is not None:
+                cache.crop(-1)
+        x = torch.tensor([text_ids], dtype=torch.long, device=self._device)
+        kwargs = {_cache_arg(self.guard.model): cache} if cache is not None else {}
+        out = self.guard.model(input_ids=x, use_cache=True, **kwargs)
         self._cache = _cache_of(out)
         return out.logits[0, -1].float()
 
