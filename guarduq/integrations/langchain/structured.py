@@ -37,7 +37,7 @@ from guarduq.layout import PromptLike
 from guarduq.uncertainty import model_lock
 
 MAX_ITEMS = 5  # arrays: at most this many items (the model chooses when to close before)
-MIN_STRING_TOKENS = 8  # each string value may use at least this many tokens
+MIN_STRING_TOKENS = 4  # each free value may use at least this many tokens (max_tokens is shared out)
 _DIGITS = re.compile(r"^[0-9]+$")
 
 
@@ -95,6 +95,8 @@ class JsonWriter:
     _value_cap: int = MIN_STRING_TOKENS
     _special: set[int] = field(default_factory=set)
     _cache: Any = None
+    _cache_name: str = "past_key_values"
+    _last_logits_only: bool = False
 
     def write(self, schema: Mapping[str, Any]) -> StructuredReply:
         """The JSON text of one value of ``schema``."""
@@ -107,6 +109,9 @@ class JsonWriter:
         self._value_cap = max(MIN_STRING_TOKENS, self.max_new_tokens // count_values(budget_schema))
         self._special = set(getattr(tok, "all_special_ids", []))
         model = self.guard.model
+        params = inspect.signature(model.forward).parameters
+        self._cache_name = "cache" if "cache" in params else "past_key_values"  # transformers 5 / 4
+        self._last_logits_only = "logits_to_keep" in params
         with model_lock(model), torch.no_grad():
             was_training = model.training
             model.eval()
@@ -208,14 +213,16 @@ class JsonWriter:
             if cache is not None:
                 cache.crop(-1)
         x = torch.tensor([text_ids], dtype=torch.long, device=self._device)
-        kwargs = {_cache_arg(self.guard.model): cache} if cache is not None else {}
+        kwargs = {self._cache_name: cache} if cache is not None else {}
+        if self._last_logits_only:
+            kwargs["logits_to_keep"] = 1  # the vocabulary projection of the last position only
         out = self.guard.model(input_ids=x, use_cache=True, **kwargs)
         self._cache = _cache_of(out)
         return out.logits[0, -1].float()
 
     def _step(self, token: int) -> torch.Tensor:
         x = torch.tensor([[token]], dtype=torch.long, device=self._device)
-        out = self.guard.model(input_ids=x, **{_cache_arg(self.guard.model): self._cache}, use_cache=True)
+        out = self.guard.model(input_ids=x, **{self._cache_name: self._cache}, use_cache=True)
         self._cache = _cache_of(out)
         self.n_generated += 1
         return out.logits[0, -1].float()
@@ -306,11 +313,6 @@ def number_tokens(tok: Any) -> tuple[list[int], list[int], list[int]]:
     with contextlib.suppress(TypeError):
         _NUMBER_TOKENS[tok] = out
     return out
-
-
-def _cache_arg(model: Any) -> str:
-    """transformers 5 calls the KV cache ``cache``; older versions ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _cache_of(out: Any) -> Any:
