@@ -13,12 +13,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from guarduq import Guard
 from guarduq.integrations.langchain import GuardedChatModel
-from tests.conftest import CHATML, make_tokenizer, tiny_llama
-
-TOOL_CHATML = (
-    "{% if tools %}<|im_start|>system\nTools (call one as <tool_call>{\"name\": ..., \"arguments\": ...}"
-    "</tool_call>):\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}" + CHATML
-)
+from tests.conftest import TOOL_CHATML, make_tokenizer, tiny_llama
 
 
 @cache

@@ -20,8 +20,7 @@ from guarduq.errors import GuardUQAbstention, InputError
 from guarduq.integrations.langchain import METADATA_KEY, GuardedChatModel, to_chat_messages
 from guarduq.integrations.langchain.structured import JsonWriter, instruction
 from guarduq.integrations.langchain.tools import parse_tool_calls
-from tests.conftest import make_tokenizer, tiny_llama
-from tests.unit.test_langchain_standard import TOOL_CHATML
+from tests.conftest import TOOL_CHATML, make_tokenizer, tiny_llama
 
 ABSTAIN = {"name": "never", "version": "1", "rules": [{"name": "no", "action": "abstain", "message": "Not sure."}]}
 
@@ -91,6 +90,7 @@ def test_structured_raw_carries_the_scores_of_the_json_text(guard, tokenizer):
     expected = guard.score(prompt, raw.content, ended=True)
     got = raw.response_metadata[METADATA_KEY]["scores"]
     assert (got["epistemic"], got["n_tokens"]) == (expected.epistemic, expected.n_tokens)
+    assert set(raw.response_metadata[METADATA_KEY]["timings"]) >= {"generate_s", "score_s"}
     n_in = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"])
     assert raw.usage_metadata["input_tokens"] == n_in
     assert raw.usage_metadata["output_tokens"] == len(tokenizer(raw.content, add_special_tokens=False)["input_ids"]) + 1

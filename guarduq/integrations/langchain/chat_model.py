@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -243,15 +244,16 @@ class GuardedChatModel(BaseChatModel):
         calls: list[ToolCall] = []
         invalid: list[InvalidToolCall] = []
         extra: dict[str, Any] = {}
+        t0 = time.perf_counter()
         if request.schema is not None:
             reply = JsonWriter(guard, prompt, budget).write(request.schema)
             text, content, extra = reply.text, reply.text, {"truncated": reply.truncated}
-            r = guard.guarded(prompt, text, ended=True)
+            r = _with_generate_time(guard.guarded(prompt, text, ended=True), time.perf_counter() - t0)
         elif request.forced:
             call = write_tool_call(guard, prompt, request.tools, request.forced, budget)
             text, content = call.text, ""
             calls = [ToolCall(name=call.name, args=call.args, id=f"call_{uuid.uuid4().hex[:24]}", type="tool_call")]
-            r = guard.guarded(prompt, text, ended=True)
+            r = _with_generate_time(guard.guarded(prompt, text, ended=True), time.perf_counter() - t0)
         else:
             r = _last(guard.stream(prompt, **request.settings))
             text = r.text
@@ -307,6 +309,12 @@ class _Request:
     @property
     def special(self) -> bool:
         return self.schema is not None or bool(self.tools)
+
+
+def _with_generate_time(r: GuardedResponse, total_s: float) -> GuardedResponse:
+    """The schema-guided writing time, as ``generate_s`` (guarded() timed only the scoring)."""
+    spent = sum(r.timings.values())
+    return replace(r, timings={"generate_s": max(total_s - spent, 0.0), **r.timings})
 
 
 def _json_schema(schema: dict[str, Any] | type) -> dict[str, Any]:
