@@ -60,6 +60,10 @@ class GuardedChatModel(BaseChatModel):
     When the Guard's policy enforces decisions, the text is first checked and then streamed, so
     a withheld answer never reaches the user; ``stream_unchecked=True`` streams it live instead,
     and the caller must act on the decision in the last chunk.
+
+    ``with_structured_output`` writes JSON of a schema by schema-guided decoding and
+    ``bind_tools`` works where the model's chat template renders tools (see their docstrings);
+    a per-call ``model=`` other than the Guard's own is an ``InputError``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -171,6 +175,8 @@ class GuardedChatModel(BaseChatModel):
         """
         specs = as_openai_tools(tools)
         guard_with_tools(self.guard, specs)  # fails early, with the reason, on a template without tools
+        if tool_choice == "none":  # no call may be made: the model is not shown the tools
+            return self.bind(**kwargs)
         return self.bind(tools=specs, tool_choice=_forced_names(tool_choice, tool_names(specs)), **kwargs)
 
     # -- LangChain's hooks
