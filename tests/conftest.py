@@ -18,6 +18,11 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML that also renders tools (as Hermes/Qwen-style templates do): for tool-calling tests.
+TOOL_CHATML = (
+    "{% if tools %}<|im_start|>system\nTools (call one as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call>):\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}" + CHATML
+)
 
 
 def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 
 from guarduq import Guard
@@ -15,7 +17,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+@cache
+def load_real_guard() -> Guard:
+    """The default model, loaded once per session through the user's cache (the first load
+    dequantizes the GGUF); also used where a fixture cannot reach (LangChain's standard suite)."""
+    return Guard("smollm2-135m-instruct")
+
+
 @pytest.fixture(scope="session")
 def real_guard() -> Guard:
-    """The default model, loaded through the user's cache (the first load dequantizes the GGUF)."""
-    return Guard("smollm2-135m-instruct")
+    return load_real_guard()
