@@ -1,0 +1,363 @@
+"""Exact per-sequence gradient norms for a whole batch: one forward and one backward.
+
+For sequences i = 1..B with mean response-token probabilities p̄_i, one backward of Σ_i p̄_i
+gives, at every activation, the sum over i of ∂p̄_i/∂activation; sequence i's activations only
+feed p̄_i, so each activation gradient is exactly the per-sequence one. A parameter's gradient,
+though, would sum over the batch. So every weight is frozen for the pass and its per-sequence
+squared norm is rebuilt from activations and activation gradients (the "ghost norm" of DP
+per-sample clipping: Goodfellow 2015; Li et al. 2022; Bu et al. 2023, book-keeping; Opacus):
+
+* ``nn.Linear`` / GPT-2 ``Conv1D`` with input a_t and output gradient g_t over sequence i's real
+  positions t: ∇W_i = Σ_t g_t a_tᵀ, so ‖∇W_i‖² = Σ_{t,s} (g_t·g_s)(a_t·a_s) = ⟨G_g, G_a⟩ with
+  T×T Gram matrices (cost T²(d_in+d_out)), or the explicit [d_out, d_in] per-sequence gradient
+  (cost T d_in d_out) when that is cheaper; ∇b_i = Σ_t g_t.
+* input embedding and LM head (tied or not): ``_VocabGradients``, per sequence.
+* other embeddings (GPT-2 positions): the rows each sequence uses, as for the input embedding.
+* norms and any other module called on one tensor: per-sequence vector-Jacobian products of the
+  module alone (``torch.func.vmap`` over the batch), exact for any module that does not mix
+  sequences.
+
+Sequences are right-padded: positions stay 0..L_i-1 and, under the causal mask, no real
+position ever attends to a padding position (they all come after it), so no padding mask is
+passed (one would make padding rows fully masked under sliding windows: NaN that 0·NaN carries
+back into real gradients) and padding positions are masked out of every sum. Anything else
+(a selected parameter in a module type not listed, a module called twice, a model that takes
+no ``inputs_embeds``/``position_ids``) is scored sequentially, with a logged reason.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from guarduq._logging import get_logger
+from guarduq.errors import InputError
+from guarduq.uncertainty import (
+    GradientScorer,
+    Scores,
+    _gram,
+    _scoring_state,
+    _VocabGradients,
+    grad_profile,
+    model_lock,
+    output_needs_grad,
+    row_gradient,
+)
+
+log = get_logger("batched")
+
+try:  # GPT-2's linear layer (weight stored [in, out])
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    Conv1D = ()  # type: ignore[assignment,misc]
+
+
+class _Unsupported(Exception):
+    """This batch cannot be scored exactly in one pass; the reason is logged."""
+
+
+class BatchedScorer:
+    """``GradientScorer.score_batch``: B sequences per forward and backward, same numbers."""
+
+    def __init__(self, scorer: GradientScorer) -> None:
+        self.scorer = scorer
+        self.model = scorer.model
+        self.selected = scorer._selected
+        self.groups = scorer._groups
+        self.reason = _static_reason(self.model, self.selected)
+
+    def score(self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None) -> list[Scores]:
+        """Scores in the order of ``items``; batches group similar lengths (less padding)."""
+        items = list(items)
+        if batch_size is not None and batch_size < 1:
+            raise InputError(f"batch_size must be >= 1, got {batch_size}")
+        for ids, start in items:
+            if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] == 1):
+                raise InputError("each item needs input_ids of shape [1, L]")
+            if not 0 < start < ids.shape[1]:
+                raise InputError("the scored sequence needs at least one prompt and one response token")
+        order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[1])
+        size = batch_size or max(len(items), 1)
+        out: list[Scores | None] = [None] * len(items)
+        for k in range(0, len(order), size):
+            chunk = order[k : k + size]
+            for i, s in zip(chunk, self._score_chunk([items[i] for i in chunk]), strict=True):
+                out[i] = s
+        return out  # type: ignore[return-value]
+
+    def _score_chunk(self, items: list[tuple[torch.Tensor, int]]) -> list[Scores]:
+        reason = self.reason
+        if reason is None:
+            try:
+                with model_lock(self.model), _scoring_state(self.model, ()):
+                    return self._batched(items)
+            except _Unsupported as exc:
+                reason = str(exc)
+        log.warning("batched_scoring_fallback", reason=reason, batch=len(items), path="sequential")
+        return [self.scorer.score(ids, start) for ids, start in items]
+
+    def _batched(self, items: list[tuple[torch.Tensor, int]]) -> list[Scores]:
+        model, n_batch = self.model, len(items)
+        lengths = [int(ids.shape[1]) for ids, _ in items]
+        starts = [s for _, s in items]
+        full = max(lengths)
+        device = items[0][0].device
+        ids = torch.zeros(n_batch, full, dtype=torch.long, device=device)  # right padding, id 0
+        for i, (x, _) in enumerate(items):
+            ids[i, : lengths[i]] = x[0]
+        real = torch.arange(full, device=device) < torch.tensor(lengths, device=device)[:, None]
+        totals = torch.zeros(n_batch, len(self.selected), dtype=torch.float64)
+        tape = _Tape(model, self.selected, real, totals)
+        vocab = _VocabGradients.attach(model, ids, self.selected, lengths)
+        try:
+            t0 = time.perf_counter()
+            with torch.enable_grad():
+                tok_logp, entropy, rows = self._forward(ids, vocab, starts, lengths)
+                probs = tok_logp.exp()
+                p_bars = torch.stack([probs[r].mean() for r in rows])
+                tape.recording = False
+                t1 = time.perf_counter()
+                p_bars.sum().backward()
+            tape.finish()
+            spans = [(s - 1, n - 1) for s, n in zip(starts, lengths, strict=True)]
+            for i, contrib in enumerate(vocab.contributions(spans)):
+                for j, value in contrib.items():
+                    totals[i, j] += value
+            t2 = time.perf_counter()
+        finally:
+            vocab.detach()
+            tape.remove()
+        per_item = {"forward_s": (t1 - t0) / n_batch, "backward_s": (t2 - t1) / n_batch}
+        out = []
+        for i, r in enumerate(rows):
+            out.append(self._scores(tok_logp[r].detach(), entropy[r], totals[i].tolist(), per_item))
+        return out
+
+    def _forward(
+        self, ids: torch.Tensor, vocab: _VocabGradients, starts: list[int], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
+        """log p and entropy of every response token, packed [N], and each sequence's slice."""
+        n_batch, full = ids.shape
+        keep = full - min(starts) + 1  # positions min(start)-1 .. L-1
+        inputs: dict[str, Any] = {"input_ids": ids} if vocab.embeds is None else {"inputs_embeds": vocab.embeds}
+        positions = torch.arange(full, device=ids.device).expand(n_batch, -1)
+        try:
+            logits = self.model(**inputs, position_ids=positions, logits_to_keep=keep).logits
+        except TypeError as exc:
+            raise _Unsupported(f"the model's forward rejects batched inputs: {exc}") from exc
+        offset = full - logits.shape[1]
+        b_idx = torch.cat([torch.full((n - s,), i) for i, (s, n) in enumerate(zip(starts, lengths, strict=True))])
+        pos = torch.cat([torch.arange(s - 1, n - 1) for s, n in zip(starts, lengths, strict=True)])
+        picked = logits[b_idx.to(ids.device), (pos - offset).to(ids.device)]
+        log_probs = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)), dim=-1)
+        targets = ids[b_idx.to(ids.device), (pos + 1).to(ids.device)].unsqueeze(-1)
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        bounds = [0, *torch.tensor([n - s for s, n in zip(starts, lengths, strict=True)]).cumsum(0).tolist()]
+        rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return log_probs.gather(-1, targets).squeeze(-1), entropy, rows
+
+    def _scores(
+        self, tok_logp: torch.Tensor, entropy: torch.Tensor, totals: list[float], timings: dict[str, float]
+    ) -> Scores:
+        probs = tok_logp.exp()
+        pb = float(probs.mean())
+        token_probs = tuple(float(x) for x in probs)
+        epistemic = math.fsum(totals)
+        valid, reason = True, None
+        if not all(math.isfinite(x) for x in token_probs):
+            valid, reason = False, "non-finite token probability"
+        elif not math.isfinite(epistemic):
+            valid, reason = False, "non-finite gradient"
+        return Scores(
+            epistemic=epistemic,
+            aleatoric=pb * (1.0 - pb),
+            mean_token_prob=pb,
+            mean_logprob=float(tok_logp.mean()),
+            min_token_prob=min(token_probs),
+            mean_entropy=float(entropy.mean()),
+            n_tokens=len(token_probs),
+            token_probs=token_probs,
+            n_params=self.scorer.n_params,
+            valid=valid,
+            reason=reason,
+            timings=dict(timings),
+            grad_profile=grad_profile(self.groups, totals),
+        )
+
+
+# --------------------------------------------------------------------------- which module, which route
+
+
+def _owners(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """Every module that directly holds each parameter (a tied weight has two)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
+    return owners
+
+
+def _route(module: nn.Module) -> str:
+    """How a module's own parameters are normed: "linear", "embedding", "small" (vmap)."""
+    if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or type(module) is Conv1D:
+        return "linear"
+    if type(module) is nn.Embedding and module.max_norm is None:
+        return "embedding"
+    if isinstance(module, nn.Embedding):
+        return "unsupported"  # scaled or max-norm embeddings other than the input one
+    return "small"
+
+
+def _static_reason(model: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> str | None:
+    """Why this selection cannot be batched (None: it can)."""
+    emb, head = _VocabGradients.routes(model, selected)
+    vocab = {id(m.weight) for m in (emb, head) if m is not None}
+    owners = _owners(model)
+    for name, p in selected:
+        if id(p) in vocab:
+            continue
+        mods = owners.get(id(p), [])
+        if len(mods) != 1:
+            return f"parameter {name} is shared by {len(mods)} modules"
+        if _route(mods[0]) == "unsupported":
+            return f"parameter {name} is in a {type(mods[0]).__name__}, which has no batched route"
+    return None
+
+
+class _Tape:
+    """Hooks that turn each module's activations and output gradients into per-sequence
+    squared norms, added to ``totals`` [B, n_selected] as soon as the gradient arrives."""
+
+    def __init__(self, model: nn.Module, selected: list[tuple[str, nn.Parameter]],
+                 real: torch.Tensor, totals: torch.Tensor) -> None:
+        self.real, self.totals = real, totals
+        self.recording = True
+        self.errors: list[str] = []
+        self._grams: dict[int, list[Any]] = {}  # shared input -> [tensor, gram, uses left]
+        emb, head = _VocabGradients.routes(model, selected)
+        vocab = {id(m.weight) for m in (emb, head) if m is not None}
+        owners = _owners(model)
+        by_module: dict[nn.Module, dict[str, int]] = {}
+        for j, (_, p) in enumerate(selected):
+            if id(p) not in vocab:
+                m = owners[id(p)][0]
+                local = next(k for k, v in m._parameters.items() if v is p)
+                by_module.setdefault(m, {})[local] = j
+        self.handles: list[Any] = []
+        self._calls: dict[nn.Module, list[int]] = {}
+        for m, params in by_module.items():
+            self.handles.append(m.register_forward_hook(self._hook(m, params), with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def finish(self) -> None:
+        """After the backward: any recorded problem, or a module never called (its parameters
+        may be used by another module's forward), sends the batch to the sequential path."""
+        if self.errors:
+            raise _Unsupported(self.errors[0])
+        for m, calls in self._calls.items():
+            if calls[0] == 0:
+                raise _Unsupported(f"{type(m).__name__} holds selected parameters but was not called")
+
+    def _hook(self, module: nn.Module, params: dict[str, int]) -> Any:
+        route, calls = _route(module), [0]
+        self._calls[module] = calls
+
+        def forward_hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+            if not self.recording:  # e.g. inside _small's vmap
+                return None
+            calls[0] += 1
+            if calls[0] > 1:
+                raise _Unsupported(f"{type(m).__name__} is called more than once per forward")
+            x = args[0] if args else None
+            if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)) or (
+                route == "small" and (len(args) != 1 or kwargs)
+            ):
+                raise _Unsupported(f"{type(m).__name__} is not called on one tensor")
+            lead = 1 if route == "small" else 2  # a norm may see [B, heads, T, d] (Gemma's q_norm)
+            if x.shape[:lead] != self.real.shape[:lead] or out.shape[:lead] != self.real.shape[:lead]:
+                raise _Unsupported(f"{type(m).__name__} sees a batch of shape {tuple(x.shape)}")
+            if route == "linear" and self._use_gram(module):
+                self._expect(x)
+            x = x.detach()
+            out = output_needs_grad(out)
+            if out.requires_grad:
+                out.register_hook(lambda g: self._on_grad(module, route, params, x, g.detach()))
+            return out
+
+        return forward_hook
+
+    def _on_grad(self, m: nn.Module, route: str, params: dict[str, int], x: torch.Tensor, g: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                if g.ndim >= 2 and g.shape[1] == self.real.shape[1]:  # [B, T, ...]: padding out
+                    g = torch.where(self.real.view(*self.real.shape, *[1] * (g.ndim - 2)), g, 0.0)
+                # (elsewhere g is exactly 0 at padding already: no scored position depends on it)
+                if route == "linear":
+                    self._linear(m, params, x, g)
+                elif route == "embedding":
+                    for i, n in enumerate(self.real.sum(1).tolist()):
+                        e = row_gradient(x[i, :n], g[i, :n], m.padding_idx)
+                        self.totals[i, params["weight"]] += float((e * e).sum())
+                else:
+                    self._small(m, params, x, g)
+        except Exception as exc:  # noqa: BLE001 - recorded, the batch is then scored sequentially
+            self.errors.append(f"{type(m).__name__}: {type(exc).__name__}: {exc}")
+
+    def _linear(self, m: nn.Module, params: dict[str, int], a: torch.Tensor, g: torch.Tensor) -> None:
+        if "weight" in params:
+            if self._use_gram(m):
+                a_gram = self._gram(a)
+                sq = (_gram(g) * a_gram).sum((1, 2))
+            else:
+                a = torch.where(self.real[..., None], a, 0.0).double()
+                sq = (g.double().mT @ a).square().sum((1, 2))
+            self.totals[:, params["weight"]] += sq.cpu()
+        if "bias" in params:
+            self.totals[:, params["bias"]] += g.double().sum(1).square().sum(1).cpu()
+
+    def _small(self, m: nn.Module, params: dict[str, int], x: torch.Tensor, g: torch.Tensor) -> None:
+        """Per-sequence gradients of a module's own parameters: vmap of its vector-Jacobian
+        product over the batch (the module's forward on sequence i alone, pulled back by g_i)."""
+        own = {k: v.detach() for k, v in m.named_parameters(recurse=False)}
+
+        def one(xi: torch.Tensor, gi: torch.Tensor) -> dict[str, torch.Tensor]:
+            _, pull = torch.func.vjp(lambda p: torch.func.functional_call(m, p, (xi[None],))[0], own)
+            return pull(gi)[0]
+
+        grads = torch.func.vmap(one)(x, g.to(x.dtype))
+        for k, j in params.items():
+            self.totals[:, j] += grads[k].double().flatten(1).square().sum(1).cpu()
+
+    def _use_gram(self, m: nn.Module) -> bool:
+        """Gram matrices cost T²(d_in+d_out), the explicit gradient T·d_in·d_out: the cheaper."""
+        d_in, d_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else m.weight.shape
+        return self.real.shape[1] * (d_in + d_out) <= d_in * d_out
+
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple[Any, ...]:
+        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype)
+
+    def _expect(self, x: torch.Tensor) -> None:
+        entry = self._grams.setdefault(self._key(x), [x, None, 0])
+        entry[2] += 1
+
+    def _gram(self, x: torch.Tensor) -> torch.Tensor:
+        """Masked A Aᵀ per sequence, computed once for the q/k/v (gate/up) that share an input."""
+        key = self._key(x)
+        entry = self._grams.get(key) or [x, None, 1]
+        if entry[1] is None:
+            entry[1] = _gram(torch.where(self.real[..., None], x, 0.0))
+        entry[2] -= 1
+        if entry[2] <= 0:
+            self._grams.pop(key, None)
+        return entry[1]
