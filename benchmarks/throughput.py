@@ -57,23 +57,25 @@ def items(tokenizer: Any, model: Any, n: int, data: Path, device: str) -> list[I
     return out
 
 
-def _sync() -> None:
+def _clock() -> float:
+    """CPU: this process's CPU seconds, which other load on a shared machine barely moves (with
+    one torch thread it equals wall time on an idle machine); GPU: synchronised wall time."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
 
 
 def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
-    """Best wall time of ``repeat`` calls (after one warm-up call) and the last result."""
+    """Best time of ``repeat`` calls (after one warm-up call) and the last result."""
     result = fn()
     best = float("inf")
     for _ in range(repeat):
-        _sync()
-        t0 = time.perf_counter()
+        t0 = _clock()
         result = fn()
-        _sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _clock() - t0)
     return best, result
 
 
@@ -99,6 +101,23 @@ def max_rel_diff(a: list[Any], b: list[Any]) -> dict[str, float]:
     return {
         f: max(rel(getattr(x, f), getattr(y, f)) for x, y in zip(a, b, strict=True))
         for f in ("epistemic", "mean_token_prob", "mean_entropy")
+    }
+
+
+def measure_fp32_floor(model: Any, data: list[Item], batched: list[Any], seq: list[Any]) -> dict[str, float]:
+    """Largest relative error of the fp32 sequential and batched epistemic against a float64
+    copy of the model (sequential): the rounding floor both paths sit on."""
+    import copy
+
+    import torch
+
+    from guarduq.uncertainty import GradientScorer
+
+    ref = GradientScorer(copy.deepcopy(model).to(torch.float64))
+    truth = [ref.score(ids, start).epistemic for ids, start in data]
+    return {
+        name: max(abs(s.epistemic - t) / t for s, t in zip(got, truth, strict=True))
+        for name, got in (("sequential", seq[: len(data)]), ("batched", batched[: len(data)]))
     }
 
 
@@ -166,6 +185,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--profile", type=int, default=16, help="batch size to profile (0: none)")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--fp64-check", type=int, default=4, help="items checked against an fp64 copy")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child is not None:
@@ -181,7 +201,8 @@ def main() -> None:
     lengths = [int(ids.shape[1]) for ids, _ in data]
     print(f"SmolLM2-135M-Instruct fp32 on {args.device}, torch threads {torch.get_num_threads()}, "
           f"n={len(data)} TriviaQA items, {min(lengths)}-{max(lengths)} tokens "
-          f"(mean {sum(lengths) / len(lengths):.1f}), best of {args.repeat}")
+          f"(mean {sum(lengths) / len(lengths):.1f}), best of {args.repeat}, "
+          f"{'process CPU' if args.device == 'cpu' else 'wall'} seconds")
     scorer = GradientScorer(model)
     t_fwd = measure_forwards(model, data, args.repeat)
     t_seq, seq = measure_sequential(scorer, data, args.repeat)
@@ -195,6 +216,10 @@ def main() -> None:
         diffs = "  ".join(f"{k} {v:.1e}" for k, v in diff.items())
         print(f"{f'batched b={bs}':<16}{n / t_b:>9.2f}{t_seq / t_b:>8.2f}{t_b / t_fwd:>8.2f}  {diffs}")
     print("  x loop: speed-up over the sequential loop; x fwds: cost relative to the batch-1 forwards")
+    if args.fp64_check:
+        floor = measure_fp32_floor(model, data[: args.fp64_check], got, seq)
+        print(f"fp32 floor, max rel error of epistemic vs an fp64 model on {args.fp64_check} items: "
+              + ", ".join(f"{k} {v:.1e}" for k, v in floor.items()) + f" (batched at b={bs})")
     if not args.no_memory:
         print("\npeak memory added while scoring (MiB): "
               + ", ".join(f"{'sequential' if bs == 0 else f'b={bs}'} "

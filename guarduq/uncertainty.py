@@ -230,7 +230,9 @@ class GradientScorer:
         self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None
     ) -> list[Scores]:
         """``score`` of each (input_ids [1, L], response_start), ``batch_size`` sequences per
-        forward+backward (default: all at once); see ``guarduq.batched``."""
+        forward+backward (default: all at once); see ``guarduq.batched``. Equal to ``score`` up
+        to float rounding; ``timings`` are amortised: the batch's forward and backward seconds
+        divided by its size, so they sum to the batch's wall time."""
         if self._batched is None:
             from guarduq.batched import BatchedScorer  # it builds on this module
 

@@ -233,3 +233,15 @@ def test_guard_score_batch_matches_score(tokenizer):
         guard.score_batch(PAIRS, batch_size=0)
     with pytest.raises(InputError):
         guard.score_batch([("prompt", "")])
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "explicit"])
+def test_both_linear_routes_exact(gram, tokenizer, monkeypatch):
+    """Ghost norm (T×T Grams) and explicit per-sequence gradients give the same numbers."""
+    from guarduq.batched import _Tape
+
+    monkeypatch.setattr(_Tape, "_use_gram", lambda self, m: gram)
+    model = tiny_gpt2()
+    encs, items = encode_all(tokenizer, model)
+    for enc, b in zip(encs, GradientScorer(model).score_batch(items), strict=True):
+        assert rel(b.epistemic, naive_epistemic(model, enc)) <= REL
