@@ -348,9 +348,11 @@ class _VocabGradients:
         emb = _call(model, "get_input_embeddings")
         head = _call(model, "get_output_embeddings")
         ok_emb = isinstance(emb, nn.Embedding) and emb.max_norm is None and id(emb.weight) in index
-        tied_ok = ok_emb or emb is None or head is None or head.weight is not emb.weight
         ok_head = isinstance(head, nn.Linear) and head.bias is None and id(head.weight) in index
-        return (emb if ok_emb else None), (head if ok_head and tied_ok else None)
+        tied = emb is not None and head is not None and getattr(head, "weight", None) is getattr(emb, "weight", 0)
+        if tied and not (ok_emb and ok_head):  # one route alone would miss the cross term
+            ok_emb = ok_head = False
+        return (emb if ok_emb else None), (head if ok_head else None)
 
     @classmethod
     def attach(

@@ -245,3 +245,19 @@ def test_both_linear_routes_exact(gram, tokenizer, monkeypatch):
     encs, items = encode_all(tokenizer, model)
     for enc, b in zip(encs, GradientScorer(model).score_batch(items), strict=True):
         assert rel(b.epistemic, naive_epistemic(model, enc)) <= REL
+
+
+def test_tied_head_with_bias_counts_both_uses(tokenizer, caplog):
+    """A tied head the vocabulary route cannot take (it has a bias): the shared matrix goes to
+    the ordinary per-parameter path (sequential, logged), cross term included."""
+    model = tiny_llama(tie=True)
+    model.lm_head.bias = torch.nn.Parameter(torch.randn(VOCAB) * 0.1)
+    encs, items = encode_all(tokenizer, model)
+    scorer = GradientScorer(model)
+    with caplog.at_level(logging.WARNING, logger="guarduq"):
+        batched = scorer.score_batch(items)
+    assert "shared by 2 modules" in caplog.text
+    for enc, b, it in zip(encs, batched, items, strict=True):
+        expected = naive_epistemic(model, enc)
+        assert rel(scorer.score(*it).epistemic, expected) <= REL
+        assert rel(b.epistemic, expected) <= REL
