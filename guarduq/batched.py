@@ -42,7 +42,6 @@ from guarduq.uncertainty import (
     Scores,
     _scoring_state,
     _VocabGradients,
-    grad_profile,
     model_lock,
     output_needs_grad,
     row_gradient,
@@ -134,7 +133,9 @@ class BatchedScorer:
         per_item = {"forward_s": (t1 - t0) / n_batch, "backward_s": (t2 - t1) / n_batch}
         out = []
         for i, r in enumerate(rows):
-            out.append(self._scores(tok_logp[r].detach(), entropy[r], totals[i].tolist(), per_item))
+            values = totals[i].tolist()
+            finite = all(math.isfinite(v) for v in values)
+            out.append(self.scorer._result(tok_logp[r].detach(), float(entropy[r].mean()), values, finite, per_item))
         return out
 
     def _forward(
@@ -160,35 +161,6 @@ class BatchedScorer:
         bounds = [0, *torch.tensor([n - s for s, n in zip(starts, lengths, strict=True)]).cumsum(0).tolist()]
         rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         return log_probs.gather(-1, targets).squeeze(-1), entropy, rows
-
-    def _scores(
-        self, tok_logp: torch.Tensor, entropy: torch.Tensor, totals: list[float], timings: dict[str, float]
-    ) -> Scores:
-        probs = tok_logp.exp()
-        pb = float(probs.mean())
-        token_probs = tuple(float(x) for x in probs)
-        epistemic = math.fsum(totals)
-        valid, reason = True, None
-        if not all(math.isfinite(x) for x in token_probs):
-            valid, reason = False, "non-finite token probability"
-        elif not math.isfinite(epistemic):
-            valid, reason = False, "non-finite gradient"
-        return Scores(
-            epistemic=epistemic,
-            aleatoric=pb * (1.0 - pb),
-            mean_token_prob=pb,
-            mean_logprob=float(tok_logp.mean()),
-            min_token_prob=min(token_probs),
-            mean_entropy=float(entropy.mean()),
-            n_tokens=len(token_probs),
-            token_probs=token_probs,
-            n_params=self.scorer.n_params,
-            valid=valid,
-            reason=reason,
-            timings=dict(timings),
-            grad_profile=grad_profile(self.groups, totals),
-        )
-
 
 # --------------------------------------------------------------------------- which module, which route
 

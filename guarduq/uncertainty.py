@@ -287,27 +287,36 @@ class GradientScorer:
                 h.remove()
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-        pb = float(p_bar.detach())
-        token_probs = tuple(float(x) for x in probs.detach())
+        timings = {"forward_s": t1 - t0, "backward_s": t2 - t1}
+        return self._result(tok_logp.detach(), float(entropy), totals, finite[0], timings)
+
+    def _result(
+        self, tok_logp: torch.Tensor, entropy: float, totals: list[float], finite: bool, timings: dict[str, float]
+    ) -> Scores:
+        """Scores from the response tokens' log p [T], the mean entropy and the per-parameter
+        squared norms (both paths)."""
+        probs = tok_logp.exp()
+        pb = float(probs.mean())
+        token_probs = tuple(float(x) for x in probs)
         epistemic = math.fsum(totals)  # fixed order: bit-identical across runs and threads
         valid, reason = True, None
         if not all(math.isfinite(x) for x in token_probs):
             valid, reason = False, "non-finite token probability"
-        elif not finite[0] or not math.isfinite(epistemic):
+        elif not finite or not math.isfinite(epistemic):
             valid, reason = False, "non-finite gradient"
         return Scores(
             epistemic=epistemic,
             aleatoric=pb * (1.0 - pb),
             mean_token_prob=pb,
-            mean_logprob=float(tok_logp.detach().mean()),
+            mean_logprob=float(tok_logp.mean()),
             min_token_prob=min(token_probs),
-            mean_entropy=float(entropy),
+            mean_entropy=entropy,
             n_tokens=len(token_probs),
             token_probs=token_probs,
             n_params=self.n_params,
             valid=valid,
             reason=reason,
-            timings={"forward_s": t1 - t0, "backward_s": t2 - t1},
+            timings=dict(timings),
             grad_profile=grad_profile(self._groups, totals),
         )
 
