@@ -40,6 +40,7 @@ from guarduq.errors import InputError
 from guarduq.uncertainty import (
     GradientScorer,
     Scores,
+    _call,
     _scoring_state,
     _VocabGradients,
     model_lock,
@@ -122,8 +123,7 @@ class BatchedScorer:
                 t1 = time.perf_counter()
                 p_bars.sum().backward()
             tape.finish()
-            spans = [(s - 1, n - 1) for s, n in zip(starts, lengths, strict=True)]
-            for i, contrib in enumerate(vocab.contributions(spans)):
+            for i, contrib in enumerate(vocab.contributions([(0, r) for r in rows])):
                 for j, value in contrib.items():
                     totals[i, j] += value
             t2 = time.perf_counter()
@@ -141,26 +141,49 @@ class BatchedScorer:
     def _forward(
         self, ids: torch.Tensor, vocab: _VocabGradients, starts: list[int], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
-        """log p and entropy of every response token, packed [N], and each sequence's slice."""
+        """log p and entropy of every response token, packed [N], and each sequence's slice.
+
+        The LM head sees only the N positions that predict a response token, packed into one
+        row [1, N, d] by a pre-hook (each logit row is a function of its own hidden state, and
+        what follows the head, e.g. Gemma's soft-capping, is elementwise): no logits for the
+        padding and prompt positions of a batch whose sequences start at different places.
+        """
         n_batch, full = ids.shape
         keep = full - min(starts) + 1  # positions min(start)-1 .. L-1
         inputs: dict[str, Any] = {"input_ids": ids} if vocab.embeds is None else {"inputs_embeds": vocab.embeds}
         positions = torch.arange(full, device=ids.device).expand(n_batch, -1)
+        pairs = list(zip(starts, lengths, strict=True))
+        b_idx = torch.cat([torch.full((n - s,), i) for i, (s, n) in enumerate(pairs)]).to(ids.device)
+        pos = torch.cat([torch.arange(s - 1, n - 1) for s, n in pairs]).to(ids.device)
+        head = _call(self.model, "get_output_embeddings")
+        if not isinstance(head, nn.Module):
+            raise _Unsupported("the model exposes no output embedding module to pack")
+
+        def pack(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            return (x[b_idx, pos - (full - x.shape[1])].unsqueeze(0), *args[1:])
+
+        handle = head.register_forward_pre_hook(pack)
         try:
-            logits = self.model(**inputs, position_ids=positions, logits_to_keep=keep).logits
+            try:
+                logits = self.model(**inputs, position_ids=positions, logits_to_keep=keep).logits
+            except TypeError:  # models whose forward has no logits_to_keep
+                logits = self.model(**inputs, position_ids=positions).logits
         except TypeError as exc:
             raise _Unsupported(f"the model's forward rejects batched inputs: {exc}") from exc
-        offset = full - logits.shape[1]
-        b_idx = torch.cat([torch.full((n - s,), i) for i, (s, n) in enumerate(zip(starts, lengths, strict=True))])
-        pos = torch.cat([torch.arange(s - 1, n - 1) for s, n in zip(starts, lengths, strict=True)])
-        picked = logits[b_idx.to(ids.device), (pos - offset).to(ids.device)]
+        finally:
+            handle.remove()
+        if logits.shape[:2] != (1, len(pos)):
+            raise _Unsupported(f"packed logits came back as {tuple(logits.shape)}")
+        picked = logits[0]
         log_probs = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)), dim=-1)
-        targets = ids[b_idx.to(ids.device), (pos + 1).to(ids.device)].unsqueeze(-1)
+        targets = ids[b_idx, pos + 1].unsqueeze(-1)
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1)
-        bounds = [0, *torch.tensor([n - s for s, n in zip(starts, lengths, strict=True)]).cumsum(0).tolist()]
+        bounds = [0, *torch.tensor([n - s for s, n in pairs]).cumsum(0).tolist()]
         rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         return log_probs.gather(-1, targets).squeeze(-1), entropy, rows
+
 
 # --------------------------------------------------------------------------- which module, which route
 

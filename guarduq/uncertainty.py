@@ -373,8 +373,7 @@ class _VocabGradients:
     ) -> _VocabGradients:
         """Set up for ``input_ids`` [B, L]; sequence i is real on its first ``lengths[i]``."""
         self = cls()
-        self._full_len = int(input_ids.shape[1])
-        self.lengths = list(lengths) if lengths is not None else [self._full_len] * len(input_ids)
+        self.lengths = list(lengths) if lengths is not None else [int(input_ids.shape[1])] * len(input_ids)
         self._ids = [input_ids[i, :n] for i, n in enumerate(self.lengths)]
         index = {id(p): i for i, (_, p) in enumerate(selected)}
         emb, head = self.routes(model, selected)
@@ -405,10 +404,10 @@ class _VocabGradients:
         for h in self._handles:
             h.remove()
 
-    def contributions(self, spans: Sequence[tuple[int, int]] | None = None) -> list[dict[int, float]]:
+    def contributions(self, head_rows: Sequence[tuple[int, slice]] | None = None) -> list[dict[int, float]]:
         """Squared-norm contribution of each handled parameter, by its index in ``selected``,
-        for each sequence. ``spans[i]`` = (first, end) positions of sequence i whose logits are
-        scored (default: every position the head saw)."""
+        for each sequence. ``head_rows[i]`` = (row, positions) of the head's input and output
+        that belong to sequence i (default: row i, every position the head saw)."""
         outs: list[dict[int, float]] = [{} for _ in self.lengths]
         with torch.no_grad():
             for i, out in enumerate(outs):
@@ -417,11 +416,8 @@ class _VocabGradients:
                     if self._d is None or self._h is None:
                         out[self.head_index] = 0.0
                     else:
-                        rows = slice(None)
-                        if spans is not None:  # the head saw the last _h.shape[1] positions
-                            shift = self._h.shape[1] - self._full_len
-                            rows = slice(spans[i][0] + shift, spans[i][1] + shift)
-                        d, h = self._d[i, rows], self._h[i, rows].double()
+                        row, rows = head_rows[i] if head_rows is not None else (i, slice(None))
+                        d, h = self._d[row, rows], self._h[row, rows].double()
                         out[self.head_index] = float((_gram(d) * (h @ h.T)).sum())
                         if self.emb is not None and self.head.weight is self.emb.weight:
                             ids = self._ids[i]
