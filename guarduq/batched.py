@@ -293,9 +293,11 @@ class _Tape:
     def _on_grad(self, m: nn.Module, route: str, params: dict[str, int], x: torch.Tensor, g: torch.Tensor) -> None:
         try:
             with torch.no_grad():
-                if g.ndim >= 2 and g.shape[1] == self.real.shape[1]:  # [B, T, ...]: padding out
+                gram_route = route == "linear" and self._use_gram(m) and "bias" not in params
+                if not gram_route and g.ndim >= 2 and g.shape[1] == self.real.shape[1]:  # [B, T, ...]
                     g = torch.where(self.real.view(*self.real.shape, *[1] * (g.ndim - 2)), g, 0.0)
-                # (elsewhere g is exactly 0 at padding already: no scored position depends on it)
+                # (elsewhere g is exactly 0 at padding already: no scored position depends on it;
+                # the Gram route masks its T×T Grams instead, a far smaller copy)
                 if route == "linear":
                     self._linear(m, params, x, g)
                 elif route == "embedding":
@@ -310,7 +312,7 @@ class _Tape:
     def _linear(self, m: nn.Module, params: dict[str, int], a: torch.Tensor, g: torch.Tensor) -> None:
         if "weight" in params:
             if self._use_gram(m):
-                sq = (_work_gram(g).double() * self._gram(a)).sum((1, 2))
+                sq = (self._masked(_work_gram(g)) * self._gram(a)).sum((1, 2))
             else:
                 a = torch.where(self.real[..., None], a, 0.0)
                 sq = (g.mT @ a.to(g.dtype)).double().square().sum((1, 2))  # [B, d_out, d_in]
@@ -331,6 +333,12 @@ class _Tape:
         for k, j in params.items():
             self.totals[:, j] += grads[k].double().flatten(1).square().sum(1).cpu()
 
+    def _masked(self, gram: torch.Tensor) -> torch.Tensor:
+        """A [B, T, T] Gram in float64 with every entry that touches a padding position zeroed
+        (entry (t, s) only ever reads positions t and s, so this equals masking the inputs)."""
+        pair = self.real[:, :, None] & self.real[:, None, :]
+        return torch.where(pair, gram, 0.0).double()
+
     def _use_gram(self, m: nn.Module) -> bool:
         """Gram matrices cost T²(d_in+d_out), the explicit gradient T·d_in·d_out: the cheaper."""
         d_in, d_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else m.weight.shape
@@ -349,7 +357,7 @@ class _Tape:
         key = self._key(x)
         entry = self._grams.get(key) or [x, None, 1]
         if entry[1] is None:
-            entry[1] = _work_gram(torch.where(self.real[..., None], x, 0.0)).double()
+            entry[1] = self._masked(_work_gram(x))
         entry[2] -= 1
         if entry[2] <= 0:
             self._grams.pop(key, None)
