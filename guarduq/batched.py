@@ -119,7 +119,7 @@ class BatchedScorer:
                 tok_logp, entropy, rows = self._forward(ids, vocab, starts, lengths)
                 probs = tok_logp.exp()
                 p_bars = torch.stack([probs[r].mean() for r in rows])
-                tape.recording = False
+                tape.stop()
                 t1 = time.perf_counter()
                 p_bars.sum().backward()
             tape.finish()
@@ -234,7 +234,7 @@ class _Tape:
         self.real, self.totals = real, totals
         self.recording = True
         self.errors: list[str] = []
-        self._grams: dict[int, list[Any]] = {}  # shared input -> [tensor, gram, uses left]
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its Gram)
         emb, head = _VocabGradients.routes(model, selected)
         vocab = {id(m.weight) for m in (emb, head) if m is not None}
         owners = _owners(model)
@@ -248,6 +248,10 @@ class _Tape:
         self._calls: dict[nn.Module, list[int]] = {}
         for m, params in by_module.items():
             self.handles.append(m.register_forward_hook(self._hook(m, params), with_kwargs=True))
+
+    def stop(self) -> None:
+        """End of the forward: later calls (``_small``'s vmap) are not recorded."""
+        self.recording, self._last = False, None
 
     def remove(self) -> None:
         for h in self.handles:
@@ -280,12 +284,11 @@ class _Tape:
             lead = 1 if route == "small" else 2  # a norm may see [B, heads, T, d] (Gemma's q_norm)
             if x.shape[:lead] != self.real.shape[:lead] or out.shape[:lead] != self.real.shape[:lead]:
                 raise _Unsupported(f"{type(m).__name__} sees a batch of shape {tuple(x.shape)}")
-            if route == "linear" and self._use_gram(module):
-                self._expect(x)
-            x = x.detach()
+            # the Gram route keeps only A Aᵀ [B, T, T], not the activation itself
+            saved = self._input_gram(x) if route == "linear" and self._use_gram(module) else x.detach()
             out = output_needs_grad(out)
             if out.requires_grad:
-                out.register_hook(lambda g: self._on_grad(module, route, params, x, g.detach()))
+                out.register_hook(lambda g: self._on_grad(module, route, params, saved, g.detach()))
             return out
 
         return forward_hook
@@ -312,7 +315,7 @@ class _Tape:
     def _linear(self, m: nn.Module, params: dict[str, int], a: torch.Tensor, g: torch.Tensor) -> None:
         if "weight" in params:
             if self._use_gram(m):
-                sq = (self._masked(_work_gram(g)) * self._gram(a)).sum((1, 2))
+                sq = (self._masked(_work_gram(g)) * a).sum((1, 2))  # a: the input's Gram
             else:
                 a = torch.where(self.real[..., None], a, 0.0)
                 sq = (g.mT @ a.to(g.dtype)).double().square().sum((1, 2))  # [B, d_out, d_in]
@@ -344,24 +347,11 @@ class _Tape:
         d_in, d_out = (m.in_features, m.out_features) if isinstance(m, nn.Linear) else m.weight.shape
         return self.real.shape[1] * (d_in + d_out) <= d_in * d_out
 
-    @staticmethod
-    def _key(x: torch.Tensor) -> tuple[Any, ...]:
-        return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype)
-
-    def _expect(self, x: torch.Tensor) -> None:
-        entry = self._grams.setdefault(self._key(x), [x, None, 0])
-        entry[2] += 1
-
-    def _gram(self, x: torch.Tensor) -> torch.Tensor:
-        """Masked A Aᵀ per sequence, computed once for the q/k/v (gate/up) that share an input."""
-        key = self._key(x)
-        entry = self._grams.get(key) or [x, None, 1]
-        if entry[1] is None:
-            entry[1] = self._masked(_work_gram(x))
-        entry[2] -= 1
-        if entry[2] <= 0:
-            self._grams.pop(key, None)
-        return entry[1]
+    def _input_gram(self, x: torch.Tensor) -> torch.Tensor:
+        """Masked A Aᵀ per sequence, once for the q/k/v (gate/up) called on the same tensor."""
+        if self._last is None or self._last[0] is not x:
+            self._last = (x, self._masked(_work_gram(x.detach())))
+        return self._last[1]
 
 
 def _work_gram(x: torch.Tensor) -> torch.Tensor:

@@ -235,13 +235,14 @@ def test_guard_score_batch_matches_score(tokenizer):
         guard.score_batch([("prompt", "")])
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied"])  # Llama: q/k/v share one input Gram
 @pytest.mark.parametrize("gram", [True, False], ids=["gram", "explicit"])
-def test_both_linear_routes_exact(gram, tokenizer, monkeypatch):
+def test_both_linear_routes_exact(gram, name, tokenizer, monkeypatch):
     """Ghost norm (T×T Grams) and explicit per-sequence gradients give the same numbers."""
     from guarduq.batched import _Tape
 
     monkeypatch.setattr(_Tape, "_use_gram", lambda self, m: gram)
-    model = tiny_gpt2()
+    model = MODELS[name]()
     encs, items = encode_all(tokenizer, model)
     for enc, b in zip(encs, GradientScorer(model).score_batch(items), strict=True):
         assert rel(b.epistemic, naive_epistemic(model, enc)) <= REL
