@@ -34,6 +34,7 @@ from guarduq.scoring.uncertainty import GradientScorer, Scores, mean_token_prob,
 log = get_logger("guard")
 
 DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_SCORE_BATCH_SIZE = 16  # benchmarks/throughput.py
 
 
 @dataclass(frozen=True)
@@ -190,13 +191,35 @@ class Guard:
         self,
         pairs: Iterable[tuple[PromptLike, str]],
         *,
-        ended: bool = True,
+        ended: bool | Sequence[bool] = True,
+        batch_size: int = DEFAULT_SCORE_BATCH_SIZE,
         progress: bool = False,
     ) -> list[Scores]:
-        """Score many pairs; each needs its own backward pass (per-example gradients)."""
+        """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
+        rounding; see ``guarduq.batched``). ``ended``: one flag for all, or one per pair."""
         pairs = list(pairs)
-        it = tqdm(pairs, desc="scoring", unit="resp", disable=not progress)
-        return [self.score(p, r, ended=ended) for p, r in it]
+        flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
+        if len(flags) != len(pairs):
+            raise InputError(f"ended has {len(flags)} flags for {len(pairs)} pairs")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        encs = [layout.encode(self.tokenizer, self.model, p, r, ended=e) for (p, r), e in zip(pairs, flags, strict=True)]
+        order = sorted(range(len(encs)), key=lambda i: -encs[i].input_ids.shape[1])  # less padding
+        out: list[Scores | None] = [None] * len(encs)
+        with tqdm(total=len(encs), desc="scoring", unit="resp", disable=not progress) as bar:
+            for k in range(0, len(order), batch_size):
+                chunk = order[k : k + batch_size]
+                items = [(encs[i].input_ids.to(self._device), encs[i].response_start) for i in chunk]
+                try:
+                    scores = self.scorer.score_batch(items, batch_size=batch_size)
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                    raise ScoringError(f"scoring failed inside the model: {str(exc).splitlines()[0]}") from exc
+                for i, s in zip(chunk, scores, strict=True):
+                    out[i] = s
+                    log.info("scored", model_fingerprint=self.info.fingerprint, batch_size=len(chunk),
+                             **s.to_dict(with_token_probs=False))
+                bar.update(len(chunk))
+        return out  # type: ignore[return-value]
 
     def option_probs(
         self, prompt: PromptLike, options: Sequence[str], *, ended: bool = True

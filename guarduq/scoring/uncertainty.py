@@ -49,6 +49,8 @@ class Scores:
     valid: bool = True
     reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # ‖∇p̄‖² split by parameter group (see ``parameter_groups``); sums to ``epistemic``.
+    grad_profile: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self, with_token_probs: bool = True) -> dict[str, Any]:
         d = asdict(self)
@@ -63,6 +65,7 @@ class Scores:
         kw = {k: v for k, v in d.items() if k in known}
         kw["token_probs"] = tuple(kw.get("token_probs", ()))
         kw.setdefault("timings", {})
+        kw["grad_profile"] = dict(kw.get("grad_profile") or {})  # absent in caches written before it
         return cls(**kw)
 
 
@@ -103,6 +106,51 @@ def select_parameters(
     if not named:
         raise InputError("no parameters selected for the gradient norm")
     return named
+
+
+def parameter_groups(model: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> list[str]:
+    """The ``grad_profile`` group of each selected parameter.
+
+    ``embed``: token and position embeddings, and an LM head tied to them (one shared matrix,
+    one parameter, counted once, cross term included); ``head``: an untied LM head;
+    ``block.{i}.norm`` / ``.attn`` / ``.mlp`` / ``.other`` inside numbered block i (a norm
+    inside attention, e.g. Gemma's q_norm, is a norm); ``final_norm``; ``other``.
+    """
+    emb = _call(model, "get_input_embeddings")
+    head = _call(model, "get_output_embeddings")
+    head_params = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    modules = dict(model.named_modules())
+    groups = []
+    for name, p in selected:
+        path = name.rsplit(".", 1)[0] if "." in name else ""
+        leaf = path.rsplit(".", 1)[-1]
+        is_norm = "norm" in leaf.lower() or leaf.startswith("ln")
+        if (isinstance(emb, nn.Module) and p is getattr(emb, "weight", None)) or isinstance(
+            modules.get(path), nn.Embedding
+        ):
+            groups.append("embed")
+        elif id(p) in head_params:
+            groups.append("head")
+        elif m := _BLOCK_INDEX.search(name):
+            rest = name[m.end() :].lower()
+            kind = (
+                "norm" if is_norm
+                else "attn" if "attn" in rest or "attention" in rest
+                else "mlp" if "mlp" in rest or "ffn" in rest or "feed_forward" in rest
+                else "other"
+            )
+            groups.append(f"block.{m.group(1)}.{kind}")
+        else:
+            groups.append("final_norm" if is_norm else "other")
+    return groups
+
+
+def grad_profile(groups: Sequence[str], totals: Sequence[float]) -> dict[str, float]:
+    """Per-group sums (math.fsum) of the per-parameter squared norms, in first-seen order."""
+    parts: dict[str, list[float]] = {}
+    for g, v in zip(groups, totals, strict=True):
+        parts.setdefault(g, []).append(v)
+    return {g: math.fsum(v) for g, v in parts.items()}
 
 
 # --------------------------------------------------------------------------- probabilities
@@ -174,7 +222,22 @@ class GradientScorer:
         self.parameters = parameters
         self.last_n_blocks = last_n_blocks
         self._selected = select_parameters(model, parameters, last_n_blocks)
+        self._groups = parameter_groups(model, self._selected)
         self.n_params = sum(p.numel() for _, p in self._selected)
+        self._batched: Any = None
+
+    def score_batch(
+        self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None
+    ) -> list[Scores]:
+        """``score`` of each (input_ids [1, L], response_start), ``batch_size`` sequences per
+        forward+backward (default: all at once); see ``guarduq.batched``. Equal to ``score`` up
+        to float rounding; ``timings`` are amortised: the batch's forward and backward seconds
+        divided by its size, so they sum to the batch's wall time."""
+        if self._batched is None:
+            from guarduq.batched import BatchedScorer  # it builds on this module
+
+            self._batched = BatchedScorer(self)
+        return self._batched.score(items, batch_size)
 
     def score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
         with model_lock(self.model), _scoring_state(self.model, [p for _, p in self._selected]):
@@ -214,7 +277,7 @@ class GradientScorer:
                 p_bar = probs.mean()
                 t1 = time.perf_counter()
                 p_bar.backward()
-            for i, value in vocab.contributions().items():
+            for i, value in vocab.contributions()[0].items():
                 totals[i] += value
                 finite[0] = finite[0] and math.isfinite(value)
             t2 = time.perf_counter()
@@ -224,35 +287,47 @@ class GradientScorer:
                 h.remove()
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-        pb = float(p_bar.detach())
-        token_probs = tuple(float(x) for x in probs.detach())
+        timings = {"forward_s": t1 - t0, "backward_s": t2 - t1}
+        return self._result(tok_logp.detach(), float(entropy), totals, finite[0], timings)
+
+    def _result(
+        self, tok_logp: torch.Tensor, entropy: float, totals: list[float], finite: bool, timings: dict[str, float]
+    ) -> Scores:
+        """Scores from the response tokens' log p [T], the mean entropy and the per-parameter
+        squared norms (both paths)."""
+        probs = tok_logp.exp()
+        pb = float(probs.mean())
+        token_probs = tuple(float(x) for x in probs)
         epistemic = math.fsum(totals)  # fixed order: bit-identical across runs and threads
         valid, reason = True, None
         if not all(math.isfinite(x) for x in token_probs):
             valid, reason = False, "non-finite token probability"
-        elif not finite[0] or not math.isfinite(epistemic):
+        elif not finite or not math.isfinite(epistemic):
             valid, reason = False, "non-finite gradient"
         return Scores(
             epistemic=epistemic,
             aleatoric=pb * (1.0 - pb),
             mean_token_prob=pb,
-            mean_logprob=float(tok_logp.detach().mean()),
+            mean_logprob=float(tok_logp.mean()),
             min_token_prob=min(token_probs),
-            mean_entropy=float(entropy),
+            mean_entropy=entropy,
             n_tokens=len(token_probs),
             token_probs=token_probs,
             n_params=self.n_params,
             valid=valid,
             reason=reason,
-            timings={"forward_s": t1 - t0, "backward_s": t2 - t1},
+            timings=dict(timings),
+            grad_profile=grad_profile(self._groups, totals),
         )
 
 
 class _VocabGradients:
-    """Gradients of the two [vocab, d] matrices without ever building them.
+    """Gradients of the two [vocab, d] matrices without ever building them, per sequence.
 
     An embedding lookup's backward builds a dense [vocab, d] gradient, and so does the LM head
     (a fifth of SmolLM2 each; both hit the same tensor when tied): most of a naive scorer's peak.
+    Sequences of a batch never interact, so everything below is done for each sequence i of the
+    batch on its own rows and positions (one sequence: the batch-1 path of ``score``).
 
     * Input embedding E: the model is fed ``inputs_embeds`` looked up outside autograd; the
       gradient w.r.t. them, summed per token id, is E's gradient on the few rows the sequence uses.
@@ -271,77 +346,125 @@ class _VocabGradients:
         self.embeds: torch.Tensor | None = None
         self._h: torch.Tensor | None = None
         self._d: torch.Tensor | None = None
-        self._handle: Any = None
+        self._handles: list[Any] = []
+
+    @staticmethod
+    def routes(
+        model: nn.Module, selected: list[tuple[str, nn.Parameter]]
+    ) -> tuple[nn.Embedding | None, nn.Linear | None]:
+        """The input embedding and LM head whose selected weights this class takes over."""
+        index = {id(p) for _, p in selected}
+        emb = _call(model, "get_input_embeddings")
+        head = _call(model, "get_output_embeddings")
+        ok_emb = isinstance(emb, nn.Embedding) and emb.max_norm is None and id(emb.weight) in index
+        ok_head = isinstance(head, nn.Linear) and head.bias is None and id(head.weight) in index
+        tied = emb is not None and head is not None and getattr(head, "weight", None) is getattr(emb, "weight", 0)
+        if tied and not (ok_emb and ok_head):  # one route alone would miss the cross term
+            ok_emb = ok_head = False
+        return (emb if ok_emb else None), (head if ok_head else None)
 
     @classmethod
     def attach(
-        cls, model: nn.Module, input_ids: torch.Tensor, selected: list[tuple[str, nn.Parameter]]
+        cls,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        selected: list[tuple[str, nn.Parameter]],
+        lengths: Sequence[int] | None = None,
     ) -> _VocabGradients:
+        """Set up for ``input_ids`` [B, L]; sequence i is real on its first ``lengths[i]``."""
         self = cls()
+        self.lengths = list(lengths) if lengths is not None else [int(input_ids.shape[1])] * len(input_ids)
+        self._ids = [input_ids[i, :n] for i, n in enumerate(self.lengths)]
         index = {id(p): i for i, (_, p) in enumerate(selected)}
-        emb = _call(model, "get_input_embeddings")
-        if isinstance(emb, nn.Embedding) and emb.max_norm is None and id(emb.weight) in index:
+        emb, head = self.routes(model, selected)
+        if emb is not None:
             self.emb, self.emb_index = emb, index[id(emb.weight)]
             scale = getattr(emb, "embed_scale", 1.0)  # Gemma-style scaled embeddings
             self.scale = float(scale.item() if isinstance(scale, torch.Tensor) else scale)
-            self.rows, self.inverse = torch.unique(input_ids[0], return_inverse=True)
-            live = torch.ones_like(self.rows, dtype=torch.bool)
-            if emb.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
-                live = self.rows != emb.padding_idx
-            self.live = live
             with torch.no_grad():
                 self.embeds = emb(input_ids).detach()
             self.embeds.requires_grad_(True)
-        head = _call(model, "get_output_embeddings")
-        tied_ok = self.emb is not None or (emb is None or head is None or head.weight is not emb.weight)
-        if isinstance(head, nn.Linear) and head.bias is None and id(head.weight) in index and tied_ok:
+        if head is not None:
             self.head, self.head_index = head, index[id(head.weight)]
             head.weight.requires_grad_(False)  # restored by _scoring_state
-            self._handle = head.register_forward_hook(self._capture)
+            self._handles = [head.register_forward_hook(self._capture)]
         return self
 
-    def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         self._h = inputs[0].detach()
+        output = output_needs_grad(output)
         if output.requires_grad:
             output.register_hook(self._keep_d)
+        return output
 
     def _keep_d(self, grad: torch.Tensor) -> None:
         self._d = grad.detach()
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
+        for h in self._handles:
+            h.remove()
 
-    def contributions(self) -> dict[int, float]:
-        """Squared-norm contribution of each handled parameter, by its index in ``selected``."""
-        out: dict[int, float] = {}
+    def contributions(self, head_rows: Sequence[tuple[int, slice]] | None = None) -> list[dict[int, float]]:
+        """Squared-norm contribution of each handled parameter, by its index in ``selected``,
+        for each sequence. ``head_rows[i]`` = (row, positions) of the head's input and output
+        that belong to sequence i (default: row i, every position the head saw)."""
+        outs: list[dict[int, float]] = [{} for _ in self.lengths]
         with torch.no_grad():
-            g_rows = None
-            if self.head is not None:
-                d = self._d.reshape(-1, self._d.shape[-1]) if self._d is not None else None
-                h = self._h.reshape(-1, self._h.shape[-1]).double() if self._h is not None else None
-                if d is None or h is None:
-                    out[self.head_index] = 0.0
-                else:
-                    out[self.head_index] = float((_gram(d) * (h @ h.T)).sum())
-                    if self.emb is not None and self.head.weight is self.emb.weight:
-                        g_rows = d[:, self.rows].double().T @ h
-            if self.emb is not None:
-                d_out = self.embeds.grad[0].double() * self.scale
-                e = torch.zeros(len(self.rows), d_out.shape[-1], dtype=torch.float64)
-                e.index_add_(0, self.inverse, d_out)
-                e = e * self.live.unsqueeze(-1)
-                cross = 2.0 * float((g_rows * e).sum()) if g_rows is not None else 0.0
-                out[self.emb_index] = out.get(self.emb_index, 0.0) + cross + float((e * e).sum())
-        return out
+            for i, out in enumerate(outs):
+                g_rows = None
+                if self.head is not None:
+                    if self._d is None or self._h is None:
+                        out[self.head_index] = 0.0
+                    else:
+                        row, rows = head_rows[i] if head_rows is not None else (i, slice(None))
+                        d, h = self._d[row, rows], self._h[row, rows].double()
+                        out[self.head_index] = float((_gram(d) * (h @ h.T)).sum())
+                        if self.emb is not None and self.head.weight is self.emb.weight:
+                            ids = self._ids[i]
+                            g_rows = d[:, torch.unique(ids)].double().T @ h
+                if self.emb is not None:
+                    grad = self.embeds.grad
+                    if grad is None:
+                        out[self.emb_index] = out.get(self.emb_index, 0.0)
+                        continue
+                    e = row_gradient(self._ids[i], grad[i, : self.lengths[i]], self.emb.padding_idx, self.scale)
+                    cross = 2.0 * float((g_rows * e).sum()) if g_rows is not None else 0.0
+                    out[self.emb_index] = out.get(self.emb_index, 0.0) + cross + float((e * e).sum())
+        return outs
+
+
+def row_gradient(
+    ids: torch.Tensor, grad: torch.Tensor, padding_idx: int | None, scale: float = 1.0
+) -> torch.Tensor:
+    """An embedding's weight gradient on the rows ``ids`` uses, in float64 (one per unique id,
+    in ``torch.unique`` order): Σ of the output gradients [T, d] of each id, times ``scale``;
+    ``nn.Embedding`` gives its padding row no gradient."""
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    e = torch.zeros(len(rows), grad.shape[-1], dtype=torch.float64, device=grad.device)
+    e.index_add_(0, inverse, grad.double() * scale)
+    if padding_idx is not None:
+        e[rows == padding_idx] = 0.0
+    return e
+
+
+def output_needs_grad(output: torch.Tensor) -> torch.Tensor:
+    """A frozen module's output as a tensor autograd differentiates (same values).
+
+    With every weight frozen, a module whose inputs need no gradient (position embeddings, the
+    head when only it is selected) produces an output autograd never reaches; a forward hook
+    returning a fresh grad-requiring leaf in its place gives it one, at no extra cost.
+    """
+    if output.requires_grad or not output.is_floating_point() or not torch.is_grad_enabled():
+        return output
+    return output.detach().requires_grad_(True)
 
 
 def _gram(d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """D Dᵀ in float64, over vocabulary chunks (no float64 copy of the whole [T, V] matrix)."""
-    out = torch.zeros(d.shape[0], d.shape[0], dtype=torch.float64)
-    for part in d.split(chunk, dim=1):
+    """D Dᵀ in float64 over the last dim in chunks (no float64 copy of the whole [.., T, V])."""
+    out = torch.zeros(*d.shape[:-1], d.shape[-2], dtype=torch.float64, device=d.device)
+    for part in d.split(chunk, dim=-1):
         p = part.double()
-        out += p @ p.T
+        out += p @ p.mT
     return out
 
 

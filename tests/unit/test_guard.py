@@ -70,7 +70,8 @@ def test_generation_kwargs_do_not_mutate_model_config(guard):
 def test_score_batch_equals_individual_scores(guard):
     pairs = [("Hi", "Hello there"), ("2+2?", "4"), ("Name?", "Bob")]
     batch = guard.score_batch(pairs)
-    assert [b.epistemic for b in batch] == [guard.score(p, r).epistemic for p, r in pairs]
+    # one forward+backward for the batch: equal to float rounding (tests/unit/test_batched.py)
+    assert [b.epistemic for b in batch] == pytest.approx([guard.score(p, r).epistemic for p, r in pairs], rel=1e-6)
 
 
 def test_option_probs_rank_by_mean_token_prob(guard):
