@@ -80,7 +80,7 @@ def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
 
 
 def measure_forwards(model: Any, data: list[Item], repeat: int) -> float:
-    from guarduq.uncertainty import mean_token_prob
+    from guarduq.scoring.uncertainty import mean_token_prob
 
     seconds, _ = timed(lambda: [mean_token_prob(model, ids, start) for ids, start in data], repeat)
     return seconds
@@ -111,7 +111,7 @@ def measure_fp32_floor(model: Any, data: list[Item], batched: list[Any], seq: li
 
     import torch
 
-    from guarduq.uncertainty import GradientScorer
+    from guarduq.scoring.uncertainty import GradientScorer
 
     ref = GradientScorer(copy.deepcopy(model).to(torch.float64))
     truth = [ref.score(ids, start).epistemic for ids, start in data]
@@ -133,7 +133,7 @@ def measure_memory(batch_size: int, n: int, data: Path, device: str) -> float:
 def memory_child(batch_size: int, n: int, data: Path, device: str) -> None:
     import torch
 
-    from guarduq.uncertainty import GradientScorer, mean_token_prob
+    from guarduq.scoring.uncertainty import GradientScorer, mean_token_prob
 
     model, tok = load(device)
     batch = items(tok, model, max(batch_size, 1), data, device)
@@ -194,7 +194,7 @@ def main() -> None:
 
     import torch
 
-    from guarduq.uncertainty import GradientScorer
+    from guarduq.scoring.uncertainty import GradientScorer
 
     model, tok = load(args.device)
     data = items(tok, model, args.n, args.data, args.device)

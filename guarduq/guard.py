@@ -183,7 +183,7 @@ class Guard:
         log.info(
             "scored",
             model_fingerprint=self.info.fingerprint,
-            **scores.to_dict(with_token_probs=False),
+            **scores.to_dict(with_token_probs=False, with_grad_profile=False),
         )
         return scores
 
@@ -196,7 +196,7 @@ class Guard:
         progress: bool = False,
     ) -> list[Scores]:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
-        rounding; see ``guarduq.batched``). ``ended``: one flag for all, or one per pair."""
+        rounding; see ``guarduq.scoring.batched``). ``ended``: one flag for all, or one per pair."""
         pairs = list(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):
@@ -217,7 +217,7 @@ class Guard:
                 for i, s in zip(chunk, scores, strict=True):
                     out[i] = s
                     log.info("scored", model_fingerprint=self.info.fingerprint, batch_size=len(chunk),
-                             **s.to_dict(with_token_probs=False))
+                             **s.to_dict(with_token_probs=False, with_grad_profile=False))
                 bar.update(len(chunk))
         return out  # type: ignore[return-value]
 

@@ -52,11 +52,14 @@ class Scores:
     # ‖∇p̄‖² split by parameter group (see ``parameter_groups``); sums to ``epistemic``.
     grad_profile: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self, with_token_probs: bool = True) -> dict[str, Any]:
+    def to_dict(self, with_token_probs: bool = True, with_grad_profile: bool = True) -> dict[str, Any]:
+        """JSON-friendly fields; log lines drop the per-token and per-group lists to stay short."""
         d = asdict(self)
         d["token_probs"] = list(self.token_probs)
         if not with_token_probs:
             d.pop("token_probs")
+        if not with_grad_profile:
+            d.pop("grad_profile", None)
         return d
 
     @classmethod
@@ -230,11 +233,11 @@ class GradientScorer:
         self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None
     ) -> list[Scores]:
         """``score`` of each (input_ids [1, L], response_start), ``batch_size`` sequences per
-        forward+backward (default: all at once); see ``guarduq.batched``. Equal to ``score`` up
+        forward+backward (default: all at once); see ``guarduq.scoring.batched``. Equal to ``score`` up
         to float rounding; ``timings`` are amortised: the batch's forward and backward seconds
         divided by its size, so they sum to the batch's wall time."""
         if self._batched is None:
-            from guarduq.batched import BatchedScorer  # it builds on this module
+            from guarduq.scoring.batched import BatchedScorer  # it builds on this module
 
             self._batched = BatchedScorer(self)
         return self._batched.score(items, batch_size)

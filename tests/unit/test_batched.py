@@ -13,7 +13,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from guarduq import Guard, layout
 from guarduq.errors import InputError
-from guarduq.uncertainty import GradientScorer, Scores, select_parameters
+from guarduq.scoring.uncertainty import GradientScorer, Scores, select_parameters
 from tests.conftest import VOCAB, tiny_gpt2, tiny_llama
 from tests.unit.test_uncertainty import naive_epistemic
 
@@ -239,7 +239,7 @@ def test_guard_score_batch_matches_score(tokenizer):
 @pytest.mark.parametrize("gram", [True, False], ids=["gram", "explicit"])
 def test_both_linear_routes_exact(gram, name, tokenizer, monkeypatch):
     """Ghost norm (T×T Grams) and explicit per-sequence gradients give the same numbers."""
-    from guarduq.batched import _Tape
+    from guarduq.scoring.batched import _Tape
 
     monkeypatch.setattr(_Tape, "_use_gram", lambda self, m: gram)
     model = MODELS[name]()

@@ -37,7 +37,7 @@ from torch import nn
 
 from guarduq._logging import get_logger
 from guarduq.errors import InputError
-from guarduq.uncertainty import (
+from guarduq.scoring.uncertainty import (
     GradientScorer,
     Scores,
     _call,
