@@ -109,10 +109,13 @@ def test_pipeline_smoke_on_a_synthetic_cache(tmp_path: Path) -> None:
                 f.write(json.dumps(asdict(rec)) + "\n")
         f.write('{"id": "torn')  # a live writer's half-written last line is ignored, not repaired
     before = cache.read_bytes()
+    # A second cache file (calibrate writes one per dataset) repeating ten items: merged, counted once.
+    (tmp_path / "cache-2.jsonl").write_text("".join(before.decode().splitlines(keepends=True)[:10]))
     mod = _load_risk_module()
-    assert mod.main(["--cache", f"tiny={cache}", "--out", str(tmp_path / "out"), "--n-boot", "50"]) == 0
+    assert mod.main(["--cache", f"tiny={tmp_path}/cache*.jsonl", "--out", str(tmp_path / "out"), "--n-boot", "50"]) == 0
     assert cache.read_bytes() == before  # read-only
     page = (tmp_path / "out" / "risk.md").read_text()
+    assert "480 usable answers" in page
     for needle in ("## tiny", "Leave one dataset out", "Chosen default", "Goals of issue 12",
                    "| pooled |", "same-pass", "sign stable", "α=0.3 coverage"):
         assert needle in page, needle
