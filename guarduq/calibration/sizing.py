@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from guarduq.calibration.thresholds import clopper_pearson_upper
+from guarduq.calibration.thresholds import clopper_pearson_upper, start_size
 
 # A logistic fit on fewer wrong (or right) answers than this mostly learns the base rate.
 MIN_PER_CLASS = 10
@@ -50,6 +50,9 @@ def calibration_warnings(
 ) -> list[str]:
     """Plain-language warnings (empty when the set is large and balanced enough).
 
+    The minimum per alpha is the larger of the zero-error Clopper-Pearson floor and
+    :func:`~guarduq.calibration.thresholds.start_size`, where ``select_threshold`` starts testing.
+
     Each names how many labelled answers (in all, given the split fractions) would be needed.
     """
     out: list[str] = []
@@ -70,20 +73,22 @@ def calibration_warnings(
             else "more data with both right and wrong answers"
         )
         out.append(
-            f"too one-sided to fit a risk model well: the fit split holds {n_fit} answers, only "
+            f"too small or one-sided to fit a risk model well: the fit split holds {n_fit} answers, only "
             f"{minority} of them {which}; at least {MIN_PER_CLASS} of each are needed ({hint})"
         )
     base = n_threshold_wrong / n_threshold if n_threshold else 1.0
     for alpha in sorted(set(alphas)):
         floor = accepted_needed(alpha, delta, 0.0)
         assert floor is not None
+        n_min = max(floor, start_size(alpha, delta))  # where the fixed-sequence test starts
         at_base = accepted_needed(alpha, delta, base)
-        if n_threshold < floor:
+        if n_threshold < n_min:
             out.append(
-                f"alpha={alpha:g}: cannot be certified: even with zero errors among the accepted "
-                f"answers, the {1 - delta:g}-confidence bound needs {floor} accepted answers in "
-                f"the threshold split, which holds {n_threshold}; that is at least "
-                f"{math.ceil(floor / threshold_fraction)} labelled answers in all "
+                f"alpha={alpha:g}: cannot be certified: the threshold test needs at least {n_min} "
+                f"accepted answers in the threshold split (the {1 - delta:g}-confidence "
+                f"Clopper-Pearson bound alone needs {floor} with zero errors; the test starts "
+                f"where an error rate of alpha/2 still passes), which holds {n_threshold}; that "
+                f"is at least {math.ceil(n_min / threshold_fraction)} labelled answers in all "
                 f"(now {n_total} outside the test split), more when some answers are refused"
             )
         elif at_base is None:

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from guarduq.calibration import CV_GRID, Calibrator, clopper_pearson_upper
+from guarduq.calibration import (
+    CV_GRID,
+    Calibrator,
+    clopper_pearson_upper,
+    select_threshold,
+    start_size,
+)
 from guarduq.calibration.sizing import accepted_needed, calibration_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,10 +130,16 @@ def test_warnings_for_a_small_one_sided_set() -> None:
     assert "one-sided" in text and "only 1 of them wrong" in text
     # 10 wrong answers needed at 1/8 wrong in a fit split of 40%: 10 / (1/8) / 0.4 = 200.
     assert "about 200 labelled answers" in text
-    floor3 = math.ceil(math.log(0.1) / math.log(0.7))  # 7
-    assert f"needs {floor3} accepted answers" in text and f"at least {math.ceil(floor3 / 0.3)} labelled" in text
-    # alpha 0.5: 6 items pass the zero-error floor (4), but not at the observed rate 2/6.
-    assert len(w) == 3 and "observed error rate 0.33" in w[2]
+    floor3 = math.ceil(math.log(0.1) / math.log(0.7))  # 7 with zero errors
+    need3 = max(floor3, start_size(0.3, 0.1))  # where the fixed-sequence test starts
+    assert f"needs at least {need3} accepted answers" in w[1] and f"alone needs {floor3} with zero" in w[1]
+    assert f"at least {math.ceil(need3 / 0.3)} labelled answers in all" in w[1]
+    assert len(w) == 3 and w[2].startswith("alpha=0.5: cannot be certified")
+    # The stated minimum is the real one: select_threshold certifies nothing below it, even error-free.
+    risk = np.linspace(0, 1, need3 - 1)
+    assert select_threshold(risk, np.zeros(need3 - 1, int), 0.3, 0.1).threshold is None
+    risk = np.linspace(0, 1, need3)
+    assert select_threshold(risk, np.zeros(need3, int), 0.3, 0.1).threshold is not None
 
 
 def test_no_warning_for_a_large_balanced_set() -> None:

@@ -34,7 +34,7 @@ def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_dir: Pa
                "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(out)])
     assert rc == 0
     cap = capsys.readouterr()
-    assert "warning: alpha=0.1: cannot be certified" in cap.err and "labelled answers in all" in cap.err
+    assert "warning: alpha=0.1: cannot be certified" in cap.err and "needs at least 38 accepted" in cap.err and "labelled answers in all" in cap.err
     assert "one-sided" in cap.err and "only 5 of them wrong" in cap.err  # 11-item fit split
     assert "coefficients on P(wrong)" in cap.out and "features: paper+likelihood" in cap.out
     cal = Calibrator.load(out)
