@@ -59,3 +59,25 @@ def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_dir: Path, capsys: 
     assert Calibrator.load(tmp_path / "b.json").costly_features == ("p_true",)
     assert main(["calibrate", *common, "--C", "-1", "--out", str(tmp_path / "c.json")]) == 2
     assert "--C must be > 0" in capsys.readouterr().err
+
+
+def test_guard_serves_a_p_true_calibrator(llama, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from guarduq import Guard
+    from guarduq.scoring.baselines import PTrue
+
+    guard = Guard((llama, tokenizer), max_new_tokens=4)
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 200)
+    dicts = [{"aleatoric": float(a), "p_true": float(v), "valid": True}
+             for a, v in zip(rng.uniform(0, 0.25, 200), p, strict=True)]
+    labels = (rng.uniform(size=200) < p).astype(int)  # higher P(True), more often right
+    guard.calibrator = Calibrator("aleatoric,p_true", C=1.0, model_name="tiny",
+                                  model_fingerprint=guard.info.fingerprint).fit(dicts, labels)
+    r = guard.guarded("Name a colour.", "Blue")
+    expected = guard.calibrator.risk({**r.scores.to_dict(), "p_true": PTrue().true_prob(guard, "Name a colour.", "Blue")})
+    assert r.risk == pytest.approx(expected) and r.risk < 1.0
+    # A chat-message prompt gives no question string for P(True): the risk fails closed.
+    chat = guard.guarded([{"role": "user", "content": "Name a colour."}], "Blue")
+    assert chat.risk == 1.0
