@@ -80,6 +80,7 @@ def _log_share(part: float, total: float) -> float:
 
 
 def _grad_embed_head(s: Mapping[str, Any]) -> float:
+    """Summed, so a model with tied embeddings (one tensor, reported under either name) is fine."""
     top, _, total = _profile(s)
     return _log_share(top.get("embed", 0.0) + top.get("head", 0.0), total)
 
