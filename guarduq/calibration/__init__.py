@@ -7,14 +7,28 @@ it through a guard with a resumable cache, ``report`` draws the plots and HTML (
 :mod:`guarduq.calibration.report`; it needs matplotlib, so the package does not load it).
 """
 
-from guarduq.calibration.calibrator import FORMAT, FORMAT_VERSION, MIN_FIT_ITEMS, Calibrator
+from guarduq.calibration.calibrator import (
+    CV_GRID,
+    FORMAT,
+    FORMAT_VERSION,
+    MIN_FIT_ITEMS,
+    Calibrator,
+)
 from guarduq.calibration.features import (
+    COSTLY,
+    DEFAULT_FEATURE_SET,
     DEFAULT_FEATURES,
     EPISTEMIC_FLOOR,
+    FEATURE_DOCS,
+    FEATURE_SETS,
     FEATURES,
+    ORIENTATION,
+    FeatureUnavailable,
     ScoreLike,
     as_score_dict,
     feature_matrix,
+    missing_features,
+    resolve_features,
 )
 from guarduq.calibration.metrics import (
     ECE_BINS,
@@ -42,7 +56,16 @@ from guarduq.calibration.thresholds import (
 )
 
 __all__ = [
+    "COSTLY",
+    "CV_GRID",
     "DEFAULT_FEATURES",
+    "DEFAULT_FEATURE_SET",
+    "FEATURE_DOCS",
+    "FEATURE_SETS",
+    "ORIENTATION",
+    "FeatureUnavailable",
+    "missing_features",
+    "resolve_features",
     "ECE_BINS",
     "EPISTEMIC_FLOOR",
     "EVAL_FIELDS",

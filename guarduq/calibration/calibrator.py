@@ -2,8 +2,11 @@
 
 Raw gradient norms live on a model-specific scale, so each model gets its own ``Calibrator``:
 
-1. ``fit``: a scikit-learn pipeline (``StandardScaler`` + ``LogisticRegression``) on a few features
-   of the scores (default ``log(epistemic)`` and ``aleatoric``), predicting ``risk``.
+1. ``fit``: a scikit-learn pipeline (``StandardScaler`` + L2 ``LogisticRegression``) on a named
+   feature set (``features.FEATURE_SETS``) or a list of features, predicting ``risk``. The L2
+   strength ``C`` is chosen by stratified k-fold cross-validation on the fit data (scored by log
+   loss: the risk is thresholded as a probability, so calibration counts, not only ranking; and
+   log loss is smooth where a fold's AUROC on a few dozen items jumps), unless a number is given.
 2. ``fit_thresholds``: for each target ``alpha`` (the largest error rate tolerated among accepted
    answers) pick the loosest risk threshold whose accepted set has error <= alpha with probability
    >= 1 - delta. Each candidate threshold is a hypothesis test with an exact binomial
@@ -35,18 +38,21 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import StratifiedKFold
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
 from guarduq._version import __version__
 from guarduq.calibration.features import (
-    DEFAULT_FEATURES,
-    FEATURES,
+    COSTLY,
+    DEFAULT_FEATURE_SET,
     ScoreLike,
     _labels,
     as_score_dict,
     feature_matrix,
+    missing_features,
+    resolve_features,
 )
 from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.thresholds import (
@@ -58,8 +64,14 @@ from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchE
 log = get_logger("calibration")
 
 FORMAT = "guarduq-calibrator"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds feature_set and logistic.cv; version 1 artifacts still load
+READABLE_VERSIONS = (1, 2)
 MIN_FIT_ITEMS = 10
+# Candidate L2 strengths for cross-validation, fixed before seeing data (1e-3 = a strong prior
+# toward "risk = base rate", 100 = almost unregularised).
+CV_GRID: tuple[float, ...] = tuple(float(c) for c in np.logspace(-3, 2, 11))
+CV_FOLDS = 5
+CV_SCORING = "neg_log_loss"
 
 
 # --------------------------------------------------------------------------- artifact schema
@@ -77,11 +89,20 @@ class _Scaler(BaseModel):
     scale: list[float]
 
 
+class _CV(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    grid: list[float]
+    folds: int
+    scoring: str
+    mean_scores: list[float]
+
+
 class _Logistic(BaseModel):
     model_config = ConfigDict(extra="forbid")
     coef: list[float]
     intercept: float
     C: float
+    cv: _CV | None = None
 
 
 class _ThresholdModel(BaseModel):
@@ -108,11 +129,12 @@ class _DatasetRef(BaseModel):
 class _Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Literal["guarduq-calibrator"]
-    format_version: Literal[1]
+    format_version: Literal[1, 2]
     guarduq_version: str
     created: str
     model: _ModelRef
     features: list[str]
+    feature_set: str | None = None
     scaler: _Scaler
     logistic: _Logistic
     n_fit: int
@@ -130,30 +152,33 @@ class _Artifact(BaseModel):
 class Calibrator:
     """Maps a model's raw scores to ``risk = P(wrong | scores)`` and holds guaranteed thresholds.
 
-    Parameters (set in ``__init__``, scikit-learn style): ``features`` (names in ``FEATURES``),
-    ``C`` (inverse L2 strength), and the model's ``model_name`` / ``model_fingerprint`` the
-    artifact is bound to. Fitted state ends in ``_``.
+    Parameters (set in ``__init__``, scikit-learn style): ``features`` (a set name from
+    ``FEATURE_SETS``, a comma list, or a sequence of names in ``FEATURES``), ``C`` (inverse L2
+    strength, or ``"cv"`` to choose it from ``cv_grid`` by stratified ``cv_folds``-fold
+    cross-validation), and the model's ``model_name`` / ``model_fingerprint`` the artifact is
+    bound to. Fitted state ends in ``_`` (``C_`` is the strength used, ``cv_`` the CV record).
     """
 
     def __init__(
         self,
-        features: Sequence[str] = DEFAULT_FEATURES,
+        features: str | Sequence[str] = DEFAULT_FEATURE_SET,
         *,
-        C: float = 1.0,
+        C: float | Literal["cv"] = "cv",
+        cv_grid: Sequence[float] = CV_GRID,
+        cv_folds: int = CV_FOLDS,
         model_name: str | None = None,
         model_fingerprint: str | None = None,
     ) -> None:
-        unknown = [f for f in features if f not in FEATURES]
-        if unknown or not features:
-            raise CalibrationError(
-                f"unknown feature(s) {unknown or '(none given)'}; choose from {sorted(FEATURES)}"
-            )
-        if len(set(features)) != len(features):
-            raise CalibrationError(f"duplicate features in {list(features)}")
-        if not C > 0:
-            raise CalibrationError(f"C must be > 0, got {C}")
-        self.features = tuple(features)
-        self.C = float(C)
+        self.feature_set, self.features = resolve_features(features)
+        if C != "cv" and not (isinstance(C, int | float) and C > 0):
+            raise CalibrationError(f"C must be > 0 or 'cv', got {C!r}")
+        if not cv_grid or not all(c > 0 for c in cv_grid):
+            raise CalibrationError(f"cv_grid must hold positive strengths, got {list(cv_grid)}")
+        if cv_folds < 2:
+            raise CalibrationError(f"cv_folds must be >= 2, got {cv_folds}")
+        self.C: float | str = C if C == "cv" else float(C)
+        self.cv_grid = tuple(sorted(float(c) for c in cv_grid))
+        self.cv_folds = int(cv_folds)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.thresholds_: list[Threshold] = []
@@ -161,14 +186,23 @@ class Calibrator:
         self.datasets_: list[dict[str, Any]] = []
         self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
         self.evaluation_: Evaluation | None = None
+        self.cv_: dict[str, Any] | None = None
         self._sha256: str | None = None
         self.created_: str | None = None
+
+    @property
+    def costly_features(self) -> tuple[str, ...]:
+        """Features that need work beyond guarduq's own pass (P(True), SVE) at serving time too."""
+        return tuple(f for f in self.features if f in COSTLY)
 
     # -- fitting
 
     def fit(self, scores: Sequence[ScoreLike], labels: Iterable[Any]) -> Calibrator:
         """Fit the scaler + logistic regression on valid rows (invalid ones are counted, excluded)."""
         scores = list(scores)
+        missing = missing_features(scores, self.features)
+        if missing and scores:
+            raise CalibrationError("; ".join(missing.values()))
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
@@ -185,15 +219,52 @@ class Calibrator:
                 f"all {y.size} fitting labels are '{which}': a calibrator needs both correct and "
                 "wrong answers (use more or different data)"
             )
-        pipe = Pipeline(
-            [("scale", StandardScaler()), ("logistic", LogisticRegression(C=self.C, max_iter=1000))]
-        )
-        pipe.fit(X, 1 - y)  # target: wrong
+        target = 1 - y  # wrong
+        C, self.cv_ = self._choose_C(X, target)
+        pipe = _pipeline(C).fit(X, target)
         self.pipeline_ = pipe
+        self.C_ = C
         self.n_fit_ = int(y.size)
         self.created_ = datetime.now(UTC).isoformat(timespec="seconds")
         self._sha256 = None
         return self
+
+    def _choose_C(self, X: np.ndarray, target: np.ndarray) -> tuple[float, dict[str, Any] | None]:
+        """The given C, or the CV choice (ties go to the stronger prior, the smaller C)."""
+        if self.C != "cv":
+            return float(self.C), None
+        folds = min(self.cv_folds, int(np.bincount(target, minlength=2).min()))
+        if folds < 2:
+            log.warning("cv_skipped_too_few", minority=folds, C=1.0)
+            return 1.0, None
+        # Scaler and logistic refitted per fold, on scikit-learn's objective, by a small Newton
+        # solver: 11 x 5 sklearn fits cost more in input checks than in arithmetic.
+        losses = np.zeros((folds, len(self.cv_grid)))
+        splits = StratifiedKFold(folds, shuffle=True, random_state=0).split(X, target)
+        for i, (tr, te) in enumerate(splits):
+            mu, sd = X[tr].mean(axis=0), X[tr].std(axis=0)
+            sd[sd == 0] = 1.0  # as StandardScaler does for a constant column
+            a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
+            t = target[te].astype(float)
+            for j, c in enumerate(self.cv_grid):
+                w, w0 = _ridge_logistic(a, target[tr].astype(float), c)
+                p = np.clip(1 / (1 + np.exp(-(b @ w + w0))), 1e-15, 1 - 1e-15)
+                losses[i, j] = -np.mean(t * np.log(p) + (1 - t) * np.log(1 - p))
+        means = -losses.mean(axis=0)  # neg_log_loss: higher is better
+        best = int(np.flatnonzero(means >= means.max() - 1e-12)[0])  # grid ascends: smallest C
+        cv = {
+            "grid": list(self.cv_grid),
+            "folds": folds,
+            "scoring": CV_SCORING,
+            "mean_scores": [float(m) for m in means],
+        }
+        return float(self.cv_grid[best]), cv
+
+    def coefficients(self) -> dict[str, float]:
+        """Standardised logistic coefficient per feature, on P(wrong): > 0 = larger means riskier."""
+        self._check_fitted()
+        coef = self.pipeline_.named_steps["logistic"].coef_[0]
+        return {f: float(c) for f, c in zip(self.features, coef, strict=True)}
 
     def _check_fitted(self) -> None:
         if not hasattr(self, "pipeline_"):
@@ -281,6 +352,7 @@ class Calibrator:
         if evaluation.per_dataset:
             self.metrics_["per_dataset"] = evaluation.per_dataset
         self.metrics_["guarantees"] = evaluation.guarantees
+        self.metrics_["coefficients"] = self.coefficients()
         self._sha256 = None
 
     # -- model binding
@@ -317,11 +389,13 @@ class Calibrator:
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
             "features": list(self.features),
+            "feature_set": self.feature_set,
             "scaler": {"mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist()},
             "logistic": {
                 "coef": logistic.coef_[0].tolist(),
                 "intercept": float(logistic.intercept_[0]),
-                "C": self.C,
+                "C": self.C_,
+                "cv": self.cv_,
             },
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
@@ -379,10 +453,10 @@ class Calibrator:
             raise ArtifactError(f"{path} is not valid JSON (corrupt calibrator?): {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ArtifactError(f"{path} is not a guarduq calibrator (format != {FORMAT!r})")
-        if doc.get("format_version") != FORMAT_VERSION:
+        if doc.get("format_version") not in READABLE_VERSIONS:
             raise ArtifactError(
                 f"{path} has calibrator format version {doc.get('format_version')!r}; this guarduq "
-                f"reads version {FORMAT_VERSION} (refit it or upgrade guarduq)"
+                f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
             )
         try:
             art = _Artifact.model_validate(doc)
@@ -406,7 +480,7 @@ class Calibrator:
         try:
             self = cls(
                 art.features,
-                C=art.logistic.C,
+                C=art.logistic.C if art.logistic.cv is None else "cv",
                 model_name=art.model.name,
                 model_fingerprint=art.model.fingerprint,
             )
@@ -425,6 +499,10 @@ class Calibrator:
         logistic.n_features_in_ = k
         logistic.n_iter_ = np.array([0])
         self.pipeline_ = Pipeline([("scale", scaler), ("logistic", logistic)])
+        self.C_ = art.logistic.C
+        self.cv_ = art.logistic.cv.model_dump() if art.logistic.cv is not None else None
+        if art.feature_set is not None:
+            self.feature_set = art.feature_set
         self.n_fit_ = art.n_fit
         self.n_fit_invalid_ = art.n_fit_invalid
         self.thresholds_ = [Threshold(**t.model_dump()) for t in art.thresholds]
@@ -445,7 +523,45 @@ class Calibrator:
 
     def __repr__(self) -> str:
         fitted = f"n_fit={self.n_fit_}" if hasattr(self, "pipeline_") else "unfitted"
-        return f"Calibrator(features={list(self.features)}, model={self.model_name!r}, {fitted})"
+        name = f"{self.feature_set!r}: " if self.feature_set else ""
+        return f"Calibrator(features={name}{list(self.features)}, model={self.model_name!r}, {fitted})"
+
+
+def _ridge_logistic(X: np.ndarray, t: np.ndarray, C: float, iters: int = 50) -> tuple[np.ndarray, float]:
+    """argmin C * sum(logloss) + |w|^2 / 2 (intercept free): LogisticRegression(C)'s objective."""
+    n, k = X.shape
+    A = np.hstack([X, np.ones((n, 1))])
+    theta = np.zeros(k + 1)
+    reg = np.ones(k + 1)
+    reg[-1] = 1e-10  # the intercept is not penalised (tiny ridge keeps the Hessian invertible)
+
+    def objective(th: np.ndarray) -> float:
+        z = A @ th
+        return float(C * np.sum(np.logaddexp(0, z) - t * z) + 0.5 * th[:-1] @ th[:-1])
+
+    f = objective(theta)
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-(A @ theta)))
+        grad = C * A.T @ (p - t) + reg * theta
+        hess = C * (A.T * (p * (1 - p))) @ A + np.diag(reg)
+        step = np.linalg.solve(hess, grad)
+        lr = 1.0
+        while lr > 1e-6:
+            new = theta - lr * step
+            f_new = objective(new)
+            if f_new <= f:
+                break
+            lr /= 2
+        theta, f_old, f = new, f, f_new
+        if abs(f_old - f) <= 1e-10 * max(1.0, abs(f)):
+            break
+    return theta[:-1], float(theta[-1])
+
+
+def _pipeline(C: float) -> Pipeline:
+    return Pipeline(
+        [("scale", StandardScaler()), ("logistic", LogisticRegression(C=C, max_iter=1000))]
+    )
 
 
 def _as_float(x: Any) -> float:

@@ -1,7 +1,7 @@
 """Labelled evaluation data: loaders that turn public QA / multiple-choice files into ``Item``s.
 
 Each loader is a small subclass of :class:`Dataset` (one per file format), built by the factory
-:func:`load_dataset` from a plain string (``"triviaqa"``, ``"truthfulqa-gen"``, ``"truthfulqa-mc"``,
+:func:`load_dataset` from a plain string (``"triviaqa"``, ``"nq-open"``, ``"truthfulqa-gen"``, ``"truthfulqa-mc"``,
 ``"arc"``, ``"boolq"``, ``"jsonl"``), so CLI flags and YAML can name them.
 
 Every item carries a stable id (the dataset's own id, else a hash of its content) because the
@@ -10,7 +10,7 @@ the same split on every run and on every machine.
 
 How an item is labelled depends on its ``kind``:
 
-* ``qa``: the model answers freely; ``grader="alias"`` (TriviaQA) marks the answer correct when its
+* ``qa``: the model answers freely; ``grader="alias"`` (TriviaQA, NQ-open) marks the answer correct when its
   SQuAD-normalised text equals or contains a normalised alias; ``grader="rouge"`` (TruthfulQA
   generation) marks it correct when its best ROUGE-L against the correct references beats its
   best ROUGE-L against the incorrect ones (the TruthfulQA paper's automatic metric).
@@ -383,6 +383,28 @@ class TriviaQA(Dataset):
         return self._new(str(row.get("id") or _content_id(question)), question, grader="alias", answers=aliases)
 
 
+class NQOpen(Dataset):
+    """NQ-open JSONL (``question``, ``answer``: a list of acceptable short answers), graded like
+    TriviaQA: correct when the normalised answer equals or contains a normalised alias."""
+
+    name = "nq-open"
+    kind = "qa"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        question = _require(row, "question").strip()
+        answers = _require(row, "answer", (list, str))
+        if isinstance(answers, str):
+            answers = [answers]
+        aliases = tuple(a for a in answers if isinstance(a, str) and a.strip())
+        if not aliases:
+            raise _RowError("field 'answer' has no non-empty string answer")
+        # NQ questions are lower case without a question mark; the model sees them as a question.
+        shown = question[:1].upper() + question[1:]
+        if not shown.endswith("?"):
+            shown += "?"
+        return self._new(str(row.get("id") or _content_id(question)), shown, grader="alias", answers=aliases)
+
+
 class _TruthfulQA(Dataset):
     """The original TruthfulQA CSV (``Question``, ``Best Answer``, ``Correct Answers``, ...)."""
 
@@ -542,6 +564,7 @@ class CommonsenseQA(ARC):
 
 DATASETS: dict[str, type[Dataset]] = {
     "triviaqa": TriviaQA,
+    "nq-open": NQOpen,
     "truthfulqa-gen": TruthfulQAGen,
     "truthfulqa-mc": TruthfulQAMC,
     "arc": ARC,

@@ -284,3 +284,45 @@ def check_guard_errors(records: Sequence[ScoredItem]) -> None:
     """Raise when nothing at all could be scored (every item failed): a setup problem, not data."""
     if records and all(r.error is not None for r in records):
         raise ScoringError(f"no item could be scored; first error: {records[0].error}")
+
+
+def add_p_true(
+    guard: Any,
+    items: Sequence[Item],
+    records: Sequence[ScoredItem],
+    cache_path: str | os.PathLike[str] | None = None,
+    *,
+    progress: bool = True,
+    desc: str = "P(True)",
+) -> list[ScoredItem]:
+    """Add ``scores["p_true"]`` (the model's P(True) for its own answer: one extra forward each)
+    to every usable record that lacks it, appending the updated lines to the cache.
+
+    Only for calibrators that ask for the opt-in ``p_true`` feature; the cache's last line per
+    item wins, so a re-run reuses what was computed.
+    """
+    from dataclasses import replace
+
+    from guarduq.scoring.baselines import PTrue, cut_at_stops
+
+    by_id = {it.id: it for it in items}
+    cache = ScoreCache(cache_path) if cache_path is not None else None
+    todo = [i for i, r in enumerate(records) if r.usable and "p_true" not in (r.scores or {})]
+    out = list(records)
+    scorer = PTrue()
+    for i in tqdm(todo, desc=desc, unit="item", file=sys.stderr, disable=not progress):
+        rec = out[i]
+        item = by_id.get(rec.id)
+        if item is None or rec.response is None:
+            continue
+        answer = cut_at_stops(rec.response, item.stop_strings).strip() or rec.response
+        try:
+            p = scorer.true_prob(guard, item.question, answer)
+        except InputError as exc:
+            log.warning("p_true_not_scored", id=rec.id, error=str(exc))
+            continue
+        new = replace(rec, scores={**(rec.scores or {}), "p_true": p})
+        if cache is not None:
+            cache.append(new)
+        out[i] = new
+    return out

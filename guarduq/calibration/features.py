@@ -1,8 +1,18 @@
-"""Features a calibrator reads off the scores: the named feature functions and the feature matrix."""
+"""Features a calibrator reads off the scores: the named feature functions, named feature sets and
+the feature matrix.
+
+Every feature is a function of one score dict (a ``Scores.to_dict()`` or a scoring-cache line).
+Most come free with the forward + backward pass guarduq already runs; a few cost extra work and
+are opt-in (:data:`COSTLY`). A feature the dict cannot provide (an old cache without
+``grad_profile``, a run without P(True)) raises :class:`FeatureUnavailable`; the row is then
+invalid for that calibrator (counted and excluded when fitting, risk 1.0 when serving), never a
+crash. :func:`missing_features` says which features a set of scores lacks and why.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -12,25 +22,206 @@ from guarduq.errors import CalibrationError
 
 # An exactly-zero gradient (p̄ saturated) would make log(epistemic) = -inf; floor it instead.
 EPISTEMIC_FLOOR = 1e-12
+# Floors for the other logs: a token probability or a gradient share can underflow to 0.
+PROB_FLOOR = 1e-12
+SHARE_FLOOR = 1e-12
 
 ScoreLike = Any  # guarduq.scoring.uncertainty.Scores or a mapping with the same field names
 
 
+class FeatureUnavailable(KeyError):
+    """The score dict lacks what a feature needs (e.g. ``grad_profile`` in an old cache)."""
+
+
+def _get(s: Mapping[str, Any], key: str) -> Any:
+    value = s.get(key)
+    if value is None:
+        raise FeatureUnavailable(key)
+    return value
+
+
 def _log_epistemic(s: Mapping[str, Any]) -> float:
-    e = float(s["epistemic"])
+    e = float(_get(s, "epistemic"))
     return math.log(max(e, EPISTEMIC_FLOOR)) if e >= 0 else math.nan
 
 
+def _log_prob(s: Mapping[str, Any], key: str) -> float:
+    p = float(_get(s, key))
+    return math.log(max(p, PROB_FLOOR)) if p >= 0 else math.nan
+
+
+# ----------------------------------------------------------------------------- gradient profile
+
+_BLOCK_KEY = re.compile(r"^block\.(\d+)\.(attn|mlp|norm)$")
+
+
+def _profile(s: Mapping[str, Any]) -> tuple[dict[str, float], dict[int, dict[str, float]], float]:
+    """(top-level groups, per-block groups, total) of ``grad_profile``; raises when absent."""
+    prof = s.get("grad_profile")
+    if not isinstance(prof, Mapping) or not prof:
+        raise FeatureUnavailable("grad_profile")
+    top: dict[str, float] = {}
+    blocks: dict[int, dict[str, float]] = {}
+    for k, v in prof.items():
+        v = float(v)
+        m = _BLOCK_KEY.match(str(k))
+        if m:
+            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = v
+        else:
+            top[str(k)] = v
+    total = sum(top.values()) + sum(sum(b.values()) for b in blocks.values())
+    return top, blocks, total
+
+
+def _log_share(part: float, total: float) -> float:
+    if not total > 0 or not math.isfinite(total):
+        return math.nan
+    return math.log(max(part / total, SHARE_FLOOR))
+
+
+def _grad_embed_head(s: Mapping[str, Any]) -> float:
+    """Summed, so a model with tied embeddings (one tensor, reported under either name) is fine."""
+    top, _, total = _profile(s)
+    return _log_share(top.get("embed", 0.0) + top.get("head", 0.0), total)
+
+
+def _grad_attn_mlp(s: Mapping[str, Any]) -> float:
+    _, blocks, _ = _profile(s)
+    attn = sum(b.get("attn", 0.0) for b in blocks.values())
+    mlp = sum(b.get("mlp", 0.0) for b in blocks.values())
+    if not blocks or attn + mlp <= 0:
+        return math.nan
+    return math.log(max(attn, SHARE_FLOOR * (attn + mlp))) - math.log(
+        max(mlp, SHARE_FLOOR * (attn + mlp))
+    )
+
+
+def _third(s: Mapping[str, Any], which: int) -> float:
+    """Log share of the whole gradient in the first (0) or last (2) third of the blocks."""
+    _, blocks, total = _profile(s)
+    if not blocks:
+        return math.nan
+    n = max(blocks) + 1
+    lo, hi = (0, n / 3) if which == 0 else (2 * n / 3, n)
+    part = sum(sum(b.values()) for i, b in blocks.items() if lo <= i < hi)
+    return _log_share(part, total)
+
+
+# ----------------------------------------------------------------------------- the registry
+
 FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
+    # the paper's pair
     "log_epistemic": _log_epistemic,
-    "aleatoric": lambda s: float(s["aleatoric"]),
-    "mean_logprob": lambda s: float(s["mean_logprob"]),
-    "min_token_prob": lambda s: float(s["min_token_prob"]),
-    "n_tokens": lambda s: float(s["n_tokens"]),
-    "mean_token_prob": lambda s: float(s["mean_token_prob"]),
-    "mean_entropy": lambda s: float(s["mean_entropy"]),
+    "aleatoric": lambda s: float(_get(s, "aleatoric")),
+    # likelihood of the answer, from the same forward pass
+    "mean_logprob": lambda s: float(_get(s, "mean_logprob")),
+    "log_min_token_prob": lambda s: _log_prob(s, "min_token_prob"),
+    "mean_entropy": lambda s: float(_get(s, "mean_entropy")),
+    "log_n_tokens": lambda s: math.log(max(float(_get(s, "n_tokens")), 1.0)),
+    # gradient profile, from the same backward pass (needs Scores.grad_profile)
+    "grad_embed_head": _grad_embed_head,
+    "grad_attn_mlp": _grad_attn_mlp,
+    "grad_early": lambda s: _third(s, 0),
+    "grad_late": lambda s: _third(s, 2),
+    # opt-in, extra cost
+    "p_true": lambda s: float(_get(s, "p_true")),
+    "sve_disagreement": lambda s: float(_get(s, "sve_disagreement")),
+    # older names, kept so artifacts and scripts that use them still work
+    "min_token_prob": lambda s: float(_get(s, "min_token_prob")),
+    "n_tokens": lambda s: float(_get(s, "n_tokens")),
+    "mean_token_prob": lambda s: float(_get(s, "mean_token_prob")),
 }
-DEFAULT_FEATURES: tuple[str, ...] = ("log_epistemic", "aleatoric")
+
+# One line per feature: what it is and why it is there.
+FEATURE_DOCS: dict[str, str] = {
+    "log_epistemic": "log ||grad p̄||²: the paper's epistemic score; log, as it spans decades",
+    "aleatoric": "p̄(1-p̄): the paper's aleatoric score (peaks at p̄ = 0.5, so not monotone in p̄)",
+    "mean_logprob": "mean log p(token): how likely the model finds its own answer (-log perplexity)",
+    "log_min_token_prob": "log of the least likely token: one invented token sinks a fact",
+    "mean_entropy": "mean next-token entropy: how spread the model's choices were along the answer",
+    "log_n_tokens": "log answer length: long answers ramble, and p̄ averages over more tokens",
+    "grad_embed_head": "log share of ||grad||² in the embeddings + output head: a lexical doubt",
+    "grad_attn_mlp": "log ratio of ||grad||² in attention vs MLP blocks: routing vs stored facts",
+    "grad_early": "log share of ||grad||² in the first third of the blocks",
+    "grad_late": "log share of ||grad||² in the last third of the blocks",
+    "p_true": "P(True) the model gives its own answer when asked: one extra forward (opt-in)",
+    "sve_disagreement": "SVE second-opinion disagreement, when the score dict carries it (opt-in)",
+    "min_token_prob": "least likely token's probability (older name; prefer log_min_token_prob)",
+    "n_tokens": "answer length in tokens (older name; prefer log_n_tokens)",
+    "mean_token_prob": "p̄, the mean token probability",
+}
+
+# Direction expected before seeing data: +1 when a larger value should mean "more likely wrong".
+# Used to orient single signals for AUROC; the gradient-profile shares have no prior (+1 by
+# convention, so an AUROC below 0.5 means the opposite direction).
+ORIENTATION: dict[str, int] = {
+    "log_epistemic": 1,
+    "aleatoric": 1,
+    "mean_logprob": -1,
+    "log_min_token_prob": -1,
+    "mean_entropy": 1,
+    "log_n_tokens": 1,
+    "grad_embed_head": 1,
+    "grad_attn_mlp": 1,
+    "grad_early": 1,
+    "grad_late": 1,
+    "p_true": -1,
+    "sve_disagreement": 1,
+    "min_token_prob": -1,
+    "n_tokens": 1,
+    "mean_token_prob": -1,
+}
+
+# What each score-dict key needs, for the message when it is missing.
+_NEEDS: dict[str, str] = {
+    "grad_profile": "the per-group gradient profile (Scores.grad_profile), which scores from "
+    "before the batched scorer lack: re-score the data with a guarduq that writes it",
+    "p_true": "P(True), one extra forward per answer: `guarduq calibrate` computes it when the "
+    "feature set asks for it (same-pass+ptrue)",
+    "sve_disagreement": "an SVE second opinion stored with the scores",
+}
+
+# Features that cost more than the pass guarduq already runs.
+COSTLY: frozenset[str] = frozenset({"p_true", "sve_disagreement"})
+
+PAPER: tuple[str, ...] = ("log_epistemic", "aleatoric")
+LIKELIHOOD: tuple[str, ...] = ("mean_logprob", "log_min_token_prob", "mean_entropy", "log_n_tokens")
+GRAD_PROFILE: tuple[str, ...] = ("grad_embed_head", "grad_attn_mlp", "grad_early", "grad_late")
+
+FEATURE_SETS: dict[str, tuple[str, ...]] = {
+    "paper": PAPER,  # the paper's pair, always available
+    "likelihood": LIKELIHOOD,  # the answer's likelihood alone, no gradient
+    "paper+likelihood": PAPER + LIKELIHOOD,  # every free feature an old cache holds
+    "same-pass": PAPER + LIKELIHOOD + GRAD_PROFILE,  # everything free from one forward + backward
+    "same-pass+ptrue": PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",),  # + one extra forward
+}
+# The default set: free, and available on every cache (see docs/results/risk.md for the
+# leave-one-dataset-out comparison that chose it).
+DEFAULT_FEATURE_SET = "paper+likelihood"
+DEFAULT_FEATURES: tuple[str, ...] = FEATURE_SETS[DEFAULT_FEATURE_SET]
+
+
+def resolve_features(spec: str | Sequence[str]) -> tuple[str | None, tuple[str, ...]]:
+    """``(set name or None, feature names)`` from a set name, a comma list or a sequence."""
+    if isinstance(spec, str):
+        name = spec.strip()
+        if name in FEATURE_SETS:
+            return name, FEATURE_SETS[name]
+        feats = tuple(f.strip() for f in name.split(",") if f.strip())
+    else:
+        feats = tuple(spec)
+    for set_name, members in FEATURE_SETS.items():
+        if feats == members:
+            return set_name, feats
+    unknown = [f for f in feats if f not in FEATURES]
+    if unknown or not feats:
+        raise CalibrationError(
+            f"unknown feature(s) {unknown or '(none given)'}; choose a set from "
+            f"{sorted(FEATURE_SETS)} or features from {sorted(FEATURES)}"
+        )
+    if len(set(feats)) != len(feats):
+        raise CalibrationError(f"duplicate features in {list(feats)}")
+    return None, feats
 
 
 def as_score_dict(scores: ScoreLike) -> dict[str, Any]:
@@ -43,6 +234,14 @@ def as_score_dict(scores: ScoreLike) -> dict[str, Any]:
     raise CalibrationError(f"expected Scores or a mapping of scores, got {type(scores).__name__}")
 
 
+def feature_value(d: Mapping[str, Any], name: str) -> float:
+    """One feature of one score dict; NaN when the dict cannot provide it."""
+    try:
+        return float(FEATURES[name](d))
+    except (KeyError, TypeError, ValueError):  # FeatureUnavailable is a KeyError
+        return math.nan
+
+
 def feature_matrix(
     scores: Iterable[ScoreLike], features: Sequence[str]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -50,15 +249,32 @@ def feature_matrix(
     rows, valid = [], []
     for s in scores:
         d = as_score_dict(s)
-        try:
-            row = [FEATURES[f](d) for f in features]
-        except (KeyError, TypeError, ValueError):
-            row = [math.nan] * len(features)
+        row = [feature_value(d, f) for f in features]
         ok = bool(d.get("valid", True)) and all(math.isfinite(v) for v in row)
         rows.append(row)
         valid.append(ok)
     X = np.asarray(rows, dtype=float).reshape(len(rows), len(features))
     return X, np.asarray(valid, dtype=bool)
+
+
+def missing_features(scores: Iterable[ScoreLike], features: Sequence[str]) -> dict[str, str]:
+    """Feature -> message, for each feature that *no* score provides (the others are fine)."""
+    dicts = [as_score_dict(s) for s in scores]
+    out: dict[str, str] = {}
+    for f in features:
+        if any(math.isfinite(feature_value(d, f)) for d in dicts):
+            continue
+        key = "?"
+        for d in dicts[:1]:
+            try:
+                FEATURES[f](d)
+            except FeatureUnavailable as exc:
+                key = str(exc.args[0])
+            except (KeyError, TypeError, ValueError):
+                pass
+        need = _NEEDS.get(key, f"the score field '{key}'")
+        out[f] = f"feature '{f}' is unavailable in these {len(dicts)} scores: it needs {need}"
+    return out
 
 
 def _labels(labels: Iterable[Any], n: int) -> np.ndarray:

@@ -252,8 +252,10 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
         parts += [
             "<h2>Calibrator</h2>",
             f"<p>Artifact sha256 <code>{_fmt(cal.sha256)}</code>, created {_fmt(cal.created_)}. "
-            f"Logistic regression on standardised features ({coefs}; intercept {lg.intercept_[0]:+.3f}) "
-            f"fitted on {cal.n_fit_} items ({cal.n_fit_invalid_} invalid excluded); it predicts "
+            f"Feature set <code>{_fmt(cal.feature_set or 'custom')}</code>; L2 strength C = "
+            f"{cal.C_:.3g} ({'chosen by ' + str(cal.cv_['folds']) + '-fold CV on log loss' if cal.cv_ else 'fixed'}). "
+            f"Logistic regression on standardised features (coefficients on P(wrong): {coefs}; "
+            f"intercept {lg.intercept_[0]:+.3f}) fitted on {cal.n_fit_} items ({cal.n_fit_invalid_} invalid excluded); it predicts "
             "risk = P(wrong | scores).</p>",
         ]
         if cal.datasets_:

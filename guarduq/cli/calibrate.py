@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from guarduq.calibration import DEFAULT_FEATURES, FEATURES, Calibrator, Evaluation
+from guarduq.calibration import (
+    DEFAULT_FEATURE_SET,
+    FEATURE_SETS,
+    FEATURES,
+    Calibrator,
+    Evaluation,
+)
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -38,8 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--alpha", type=float, action="append", help="target max error rate among "
                    f"accepted answers (repeatable; default {' '.join(map(str, DEFAULT_ALPHAS))})")
     c.add_argument("--delta", type=float, default=0.1, help="allowed probability that a guarantee fails")
-    c.add_argument("--features", default=",".join(DEFAULT_FEATURES),
-                   help=f"comma-separated features from: {', '.join(FEATURES)}")
+    c.add_argument("--features", default=DEFAULT_FEATURE_SET,
+                   help=f"a feature set ({', '.join(FEATURE_SETS)}; default {DEFAULT_FEATURE_SET}) "
+                   f"or comma-separated features from: {', '.join(FEATURES)}")
+    c.add_argument("--C", dest="C", default="cv",
+                   help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
+                   "by stratified cross-validation")
     c.add_argument("--test-fraction", type=float, default=0.3)
     c.add_argument("--threshold-fraction", type=float, default=0.3)
     c.add_argument("--out", type=Path, required=True, help="calibrator JSON to write")
@@ -94,10 +104,16 @@ def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
 
 
 def _score_all(
-    args: argparse.Namespace, model_spec: str, check: Callable[[Any], None] | None = None
+    args: argparse.Namespace,
+    model_spec: str,
+    check: Callable[[Any], None] | None = None,
+    p_true: bool = False,
 ) -> tuple[Any, list[Dataset], list[Any]]:
-    """Load data (fails fast on bad files), then the model (``check`` it), then score (cached)."""
-    from guarduq.calibration.evaluation import check_guard_errors, score_dataset
+    """Load data (fails fast on bad files), then the model (``check`` it), then score (cached).
+
+    ``p_true``: also compute the opt-in P(True) feature (one extra forward per answer, cached).
+    """
+    from guarduq.calibration.evaluation import add_p_true, check_guard_errors, score_dataset
     from guarduq.guard import Guard  # heavy import (torch) only when needed
     from guarduq.layout import has_chat_template
 
@@ -124,6 +140,9 @@ def _score_all(
             desc=ds.name,
         )
         check_guard_errors(recs)
+        if p_true:
+            recs = add_p_true(guard, ds.items, recs, cache, progress=not args.no_progress,
+                              desc=f"{ds.name} P(True)")
         records.extend(recs)
     return guard, datasets, records
 
@@ -197,15 +216,16 @@ def _json_default(o: Any) -> Any:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from guarduq.calibration.evaluation import summarize
 
-    features = tuple(f.strip() for f in args.features.split(",") if f.strip())
+    C = _parse_C(args.C)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
-    cal = Calibrator(features)  # validates features before the slow part
+    cal = Calibrator(args.features, C=C)  # validates features before the slow part
+    features = cal.feature_set or cal.features
     for a in alphas:
         if not 0 < a < 1:
             raise InputError(f"--alpha must be in (0, 1), got {a}")
     if not 0 < args.delta < 1:
         raise InputError(f"--delta must be in (0, 1), got {args.delta}")
-    guard, datasets, records = _score_all(args, args.model)
+    guard, datasets, records = _score_all(args, args.model, p_true="p_true" in cal.features)
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
@@ -218,7 +238,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                 f"the '{name}' split is empty ({len(ok)} usable items); use more data (--limit) "
                 "or other --test-fraction / --threshold-fraction"
             )
-    cal = Calibrator(features, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
+    for warning in _size_warnings(parts, alphas, args.delta, fractions):
+        print(f"warning: {warning}", file=sys.stderr)
+    cal = Calibrator(features, C=C, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
     cal.split_ = fractions
     cal.fit(*_xy(parts["fit"])[:2])
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
@@ -249,12 +271,58 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         "thresholds": [t.__dict__ for t in cal.thresholds_],
         "test": evaluation.to_json(),
     }
+    payload["coefficients"] = cal.coefficients()
+    payload["feature_set"] = cal.feature_set
+    payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
     header = (
         f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
-        f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items"
+        f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items\n"
+        + _coef_text(cal)
     )
     _emit(args, payload, evaluation, header)
     return 0
+
+
+def _parse_C(text: str) -> float | str:
+    if text == "cv":
+        return "cv"
+    try:
+        C = float(text)
+    except ValueError:
+        raise InputError(f"--C must be a positive number or 'cv', got {text!r}") from None
+    if not C > 0:
+        raise InputError(f"--C must be > 0, got {text}")
+    return C
+
+
+def _size_warnings(
+    parts: dict[str, list[Any]], alphas: Sequence[float], delta: float, fractions: dict[str, float]
+) -> list[str]:
+    from guarduq.calibration.sizing import calibration_warnings
+
+    fit_fraction = 1 - fractions["test_fraction"] - fractions["threshold_fraction"]
+    return calibration_warnings(
+        n_fit=len(parts["fit"]),
+        n_fit_wrong=sum(r.label == 0 for r in parts["fit"]),
+        n_threshold=len(parts["threshold"]),
+        n_threshold_wrong=sum(r.label == 0 for r in parts["threshold"]),
+        alphas=list(alphas),
+        delta=delta,
+        threshold_fraction=fractions["threshold_fraction"],
+        fit_fraction=fit_fraction,
+    )
+
+
+def _coef_text(cal: Calibrator) -> str:
+    """Feature set, chosen C and one line per standardised coefficient with its sign."""
+    how = f"chosen by {cal.cv_['folds']}-fold CV ({cal.cv_['scoring']})" if cal.cv_ else "fixed"
+    lines = [f"features: {cal.feature_set or 'custom'}; C = {cal.C_:.3g} ({how})",
+             "coefficients on P(wrong), standardised (+ = larger value, more risk):"]
+    for f, c in cal.coefficients().items():
+        lines.append(f"  {f:>20s}  {c:+.3f}")
+    if cal.costly_features:
+        lines.append(f"  costly features (extra work per answer): {', '.join(cal.costly_features)}")
+    return "\n".join(lines)
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -263,7 +331,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if not spec:
         raise InputError("the calibrator names no model; pass --model")
     guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
-        args, spec, lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch)
+        args,
+        spec,
+        lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch),
+        p_true="p_true" in cal.features,
     )
     split = _splitter(datasets, cal.split_ or {})
     selected = [r for r in records if args.split == "all" or split(r) == "test"]

@@ -59,7 +59,7 @@ def synthetic(n: int, seed: int = 0) -> tuple[list[dict[str, float]], np.ndarray
 
 def fitted(n: int = 600, seed: int = 0) -> tuple[Calibrator, list[dict[str, float]], np.ndarray]:
     scores, labels = synthetic(n, seed)
-    cal = Calibrator(model_name="tiny", model_fingerprint=FP)
+    cal = Calibrator("paper", model_name="tiny", model_fingerprint=FP)
     cal.fit(scores[: n // 2], labels[: n // 2])
     cal.fit_thresholds(scores[n // 2 :], labels[n // 2 :], alphas=(0.2, 0.3), delta=0.1)
     cal.attach_evaluation(cal.evaluate(scores[n // 2 :], labels[n // 2 :], ["a", "b"] * (n // 4)))
@@ -71,7 +71,7 @@ def fitted(n: int = 600, seed: int = 0) -> tuple[Calibrator, list[dict[str, floa
 
 def test_matches_a_direct_sklearn_fit() -> None:
     scores, labels = synthetic(400)
-    cal = Calibrator().fit(scores, labels)
+    cal = Calibrator("paper", C=1.0).fit(scores, labels)
     X = np.array([[math.log(s["epistemic"]), s["aleatoric"]] for s in scores])
     ref = make_pipeline(StandardScaler(), LogisticRegression()).fit(X, 1 - labels)
     np.testing.assert_allclose(cal.predict_risk(scores), ref.predict_proba(X)[:, 1], rtol=1e-6, atol=1e-9)

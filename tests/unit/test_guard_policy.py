@@ -35,7 +35,7 @@ def calibrator_path(guard: Guard, tmp_path: Path) -> Path:
     wrong = rng.random(600) < 1 / (1 + np.exp(-2 * (log_e - math.log(e0))))
     scores = [{"epistemic": math.exp(v), "aleatoric": float(a), "valid": True}
               for v, a in zip(log_e, rng.uniform(0, 0.25, 600), strict=True)]
-    cal = Calibrator(model_name="tiny", model_fingerprint=guard.info.fingerprint)
+    cal = Calibrator("paper", model_name="tiny", model_fingerprint=guard.info.fingerprint)
     cal.fit(scores[:300], (~wrong[:300]).astype(int))
     cal.fit_thresholds(scores[300:], (~wrong[300:]).astype(int), alphas=(0.3,), delta=0.1)
     path = tmp_path / "cal.json"

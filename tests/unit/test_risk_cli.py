@@ -1,0 +1,83 @@
+"""`guarduq calibrate` with feature sets, CV, coefficients, the size warning and P(True), on the
+shipped example logs and a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from guarduq.calibration import Calibrator
+from guarduq.calibration.evaluation import ScoreCache
+from guarduq.cli import main
+from tests.conftest import make_tokenizer, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "my_logs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(d)
+    make_tokenizer(chat_template=True).save_pretrained(d)
+    return d
+
+
+def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_dir: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [json.loads(x) for x in EXAMPLE.read_text().splitlines()]
+    assert 10 <= len(rows) <= 20 and {r["label"] for r in rows} == {0, 1}
+    out = tmp_path / "cal.json"
+    rc = main(["calibrate", "--model", str(tiny_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
+               "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(out)])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "warning: alpha=0.1: cannot be certified" in cap.err and "needs at least 38 accepted" in cap.err and "labelled answers in all" in cap.err
+    assert "one-sided" in cap.err and "only 5 of them wrong" in cap.err  # 11-item fit split
+    assert "coefficients on P(wrong)" in cap.out and "features: paper+likelihood" in cap.out
+    cal = Calibrator.load(out)
+    assert cal.feature_set == "paper+likelihood" and cal.cv_ is not None and cal.cv_["folds"] == 5
+    for f, c in cal.coefficients().items():
+        assert f"{f:>20s}  {c:+.3f}" in cap.out  # every coefficient printed with its sign
+
+
+def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--model", str(tiny_dir), "--dataset", "jsonl", "--data", str(EXAMPLE), "--no-progress",
+              "--runs-dir", str(tmp_path / "runs"), "--json"]
+    assert main(["calibrate", *common, "--features", "likelihood", "--C", "0.5", "--out", str(tmp_path / "a.json")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["feature_set"] == "likelihood" and res["C"] == {"chosen": 0.5, "cv": None}
+    assert set(res["coefficients"]) == {"mean_logprob", "log_min_token_prob", "mean_entropy", "log_n_tokens"}
+    # Opt-in P(True): computed once per answer and cached, then read as a feature.
+    assert main(["calibrate", *common, "--features", "aleatoric,p_true", "--out", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    cache = next((tmp_path / "runs" / "cache").rglob("*.jsonl"))
+    probs = [r.scores["p_true"] for r in ScoreCache(cache).entries.values()]
+    assert len(probs) == 20 and all(0 < p < 1 for p in probs)
+    assert Calibrator.load(tmp_path / "b.json").costly_features == ("p_true",)
+    assert main(["calibrate", *common, "--C", "-1", "--out", str(tmp_path / "c.json")]) == 2
+    assert "--C must be > 0" in capsys.readouterr().err
+
+
+def test_guard_serves_a_p_true_calibrator(llama, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from guarduq import Guard
+    from guarduq.scoring.baselines import PTrue
+
+    guard = Guard((llama, tokenizer), max_new_tokens=4)
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0, 1, 200)
+    dicts = [{"aleatoric": float(a), "p_true": float(v), "valid": True}
+             for a, v in zip(rng.uniform(0, 0.25, 200), p, strict=True)]
+    labels = (rng.uniform(size=200) < p).astype(int)  # higher P(True), more often right
+    guard.calibrator = Calibrator("aleatoric,p_true", C=1.0, model_name="tiny",
+                                  model_fingerprint=guard.info.fingerprint).fit(dicts, labels)
+    r = guard.guarded("Name a colour.", "Blue")
+    expected = guard.calibrator.risk({**r.scores.to_dict(), "p_true": PTrue().true_prob(guard, "Name a colour.", "Blue")})
+    assert r.risk == pytest.approx(expected) and r.risk < 1.0
+    # A chat-message prompt gives no question string for P(True): the risk fails closed.
+    chat = guard.guarded([{"role": "user", "content": "Name a colour."}], "Blue")
+    assert chat.risk == 1.0
