@@ -27,7 +27,14 @@ from guarduq.audit import AuditLog, make_record
 from guarduq.calibration import Calibrator, feature_matrix
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
-from guarduq.models import DEFAULT_MODEL, LoadedModel, ModelInfo, fingerprint, load_model
+from guarduq.models import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelInfo,
+    fingerprint,
+    load_model,
+    place_model,
+)
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.uncertainty import GradientScorer, Scores, model_lock
 
@@ -84,6 +91,10 @@ class Guard:
     replaces declared escalation sinks by name; ``allow_callables`` lists the exact import paths
     a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
     instead of returning a withheld answer.
+
+    ``device`` ("cpu", "cuda", "cuda:N") and ``dtype`` (float32, "bf16", "fp16") place the
+    model (a model object is moved/cast in place); probabilities and gradient norms are still
+    accumulated in float32/float64, and the fingerprint is that of the float32 weights.
     """
 
     def __init__(
@@ -100,8 +111,15 @@ class Guard:
         sinks: dict[str, Any] | None = None,
         allow_callables: Collection[str] = (),
         raise_on_abstain: bool = False,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
     ) -> None:
-        loaded = _as_loaded(model)
+        if isinstance(model, str | os.PathLike):
+            loaded = load_model(model, device=device, dtype=dtype)
+        else:
+            loaded = _as_loaded(model)
+            if device is not None or dtype is not None:  # moved/cast in place, fingerprinted first
+                place_model(loaded.model, device, dtype)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
