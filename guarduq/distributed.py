@@ -99,11 +99,14 @@ class RayScorer:
         kwargs = {"device": device, "dtype": dtype}
         self.actors = [worker.options(**options).remote(model, kwargs) for _ in range(n)]
         log.info("ray_actors", n=n, **options)
-        described = self._get([a.describe.remote() for a in self.actors])
-        fingerprints = {d["info"]["fingerprint"] for d in described}
-        if len(fingerprints) != 1:
+        try:  # an actor that cannot load the model fails here, with the model's own error
+            described = self._get([a.describe.remote() for a in self.actors])
+            fingerprints = {d["info"]["fingerprint"] for d in described}
+            if len(fingerprints) != 1:
+                raise ScoringError(f"the Ray actors loaded different weights (fingerprints {sorted(fingerprints)})")
+        except BaseException:
             self.close()
-            raise ScoringError(f"the Ray actors loaded different weights (fingerprints {sorted(fingerprints)})")
+            raise
         self.info = ModelInfo(**described[0]["info"])
         self.chat_template = bool(described[0]["chat_template"])
 
