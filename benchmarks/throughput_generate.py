@@ -102,10 +102,11 @@ def generation_only(guard: Guard, prompts: list[str], size: int, tokens: int) ->
     return out
 
 
-def run(guard: Guard, prompts: list[str], sizes: list[int], tokens: int) -> list[dict[str, Any]]:
+def run(guard: Guard, prompts: list[str], sizes: list[int], tokens: int, warm: bool = True) -> list[dict[str, Any]]:
     dev = guard._device
     rows: list[dict[str, Any]] = []
-    generation_only(guard, prompts[:2], 2, 4)  # warm-up: first-call overheads out of the timings
+    if warm:
+        generation_only(guard, prompts[:2], 2, 4)  # warm-up: first-call overheads out of the timings
     for size in sizes:
         with PeakMemory(dev) as mem_g:
             t0 = time.perf_counter()
@@ -161,15 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared machine more threads spin and slow everything)")
     args = ap.parse_args(argv)
     if args.batch_sizes[0] != 1:
         args.batch_sizes = [1, *args.batch_sizes]
     torch.set_num_threads(args.threads)
     guard = Guard(args.model, device=args.device, dtype=args.dtype)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.n)]
-    rows = run(guard, prompts, args.batch_sizes, args.tokens)
-    print(report(rows, args.n, args.tokens, guard))
+    rows = []
+    for size in args.batch_sizes:  # the table so far after each batch size, in case the run is cut
+        rows += run(guard, prompts, [size], args.tokens, warm=not rows)
+        print(report(rows, args.n, args.tokens, guard), flush=True)
     return 0
 
 
