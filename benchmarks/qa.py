@@ -552,7 +552,7 @@ def collect(model_name: str, args: argparse.Namespace) -> None:
     for ds in args.datasets:
         items = dataset_items(ds, model_name, args)
         stem = cache_stem(args, model_name, ds)
-        records = score_dataset(guard, items, Path(f"{stem}.scores.jsonl"),
+        records = score_dataset(guard, items, Path(f"{stem}.scores.jsonl"), batch_size=args.batch_size,
                                 desc=f"{model_name} {ds}")
         run_baselines(guard, items, records, Path(f"{stem}.baselines.jsonl"), args.k,
                       desc=f"{model_name} {ds} baselines")
@@ -564,6 +564,7 @@ def collect_in_processes(args: argparse.Namespace) -> None:
     import subprocess
 
     base = ["--limit", str(args.limit), "--k", str(args.k), "--data", str(args.data),
+            "--batch-size", str(args.batch_size),
             "--cache-dir", str(args.cache_dir), "--datasets", *args.datasets]
     running: list[tuple[str, subprocess.Popen[bytes]]] = []
     failed: list[str] = []
@@ -627,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads (1 per process when two models run side by side)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="collect the models in this many processes side by side (1 thread each)")
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="items per batched generation/forward/scoring (records equal batch 1's)")
     ap.add_argument("--collect-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", action="store_true",
                     help="no model: write the page from what the caches hold for this --limit "

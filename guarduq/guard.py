@@ -21,15 +21,22 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from guarduq import layout
+from guarduq import batching, layout
 from guarduq._logging import get_logger
 from guarduq.calibration import Calibrator, feature_matrix
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
-from guarduq.models import DEFAULT_MODEL, LoadedModel, ModelInfo, fingerprint, load_model
+from guarduq.models import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelInfo,
+    fingerprint,
+    load_model,
+    place_model,
+)
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
-from guarduq.scoring.uncertainty import GradientScorer, Scores, mean_token_prob, model_lock
+from guarduq.scoring.uncertainty import GradientScorer, Scores, model_lock
 
 log = get_logger("guard")
 
@@ -85,6 +92,10 @@ class Guard:
     replaces declared escalation sinks by name; ``allow_callables`` lists the exact import paths
     a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
     instead of returning a withheld answer.
+
+    ``device`` ("cpu", "cuda", "cuda:N") and ``dtype`` (float32, "bf16", "fp16") place the
+    model (a model object is moved/cast in place); probabilities and gradient norms are still
+    accumulated in float32/float64, and the fingerprint is that of the float32 weights.
     """
 
     def __init__(
@@ -101,8 +112,15 @@ class Guard:
         sinks: dict[str, Any] | None = None,
         allow_callables: Collection[str] = (),
         raise_on_abstain: bool = False,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
     ) -> None:
-        loaded = _as_loaded(model)
+        if isinstance(model, str | os.PathLike):
+            loaded = load_model(model, device=device, dtype=dtype)
+        else:
+            loaded = _as_loaded(model)
+            if device is not None or dtype is not None:  # moved/cast in place, fingerprinted first
+                place_model(loaded.model, device, dtype)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
@@ -130,9 +148,39 @@ class Guard:
 
     def generate(self, prompt: PromptLike, **generation_kwargs: Any) -> GuardedResponse:
         """Generate a reply (greedy unless told otherwise) and score it in the one layout."""
-        t0 = time.perf_counter()
-        text, ended = self._generate_text(prompt, generation_kwargs)
-        return self._respond(prompt, text, ended, generate_s=time.perf_counter() - t0)
+        return self.generate_batch([prompt], batch_size=1, **generation_kwargs)[0]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[PromptLike],
+        *,
+        batch_size: int | None = None,
+        progress: bool = False,
+        **generation_kwargs: Any,
+    ) -> list[GuardedResponse]:
+        """``generate`` for many prompts: one left-padded ``model.generate`` per ``batch_size``
+        prompts, then one batched scoring, then decide + audit per response.
+
+        Each reply is cut where its own row stopped, so greedy texts equal one-at-a-time
+        ``generate``. Timings are per response (the batch's time shared equally). With
+        ``raise_on_abstain`` every response is decided and audited before the first abstention
+        is raised.
+        """
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise InputError("generate_batch takes a list of prompts")
+        prompts = [layout.validate_prompt(p) for p in prompts]
+        size = batching.check_batch_size(batch_size)
+        gen = self._generation_settings(generation_kwargs)
+        out: list[GuardedResponse] = []
+        bar = tqdm(total=len(prompts), desc="generating", unit="resp", disable=not progress)
+        for chunk in batching.chunked(prompts, size):
+            t0 = time.perf_counter()
+            replies = [self._decode_reply(new, gen["eos_token_id"]) for new in self._generate_rows(chunk, gen)]
+            generate_s = (time.perf_counter() - t0) / len(chunk)
+            out += self._respond_many(chunk, replies, generate_s=generate_s)
+            bar.update(len(chunk))
+        bar.close()
+        return out
 
     def stream(
         self, prompt: PromptLike, *, stop: Sequence[str] = (), **generation_kwargs: Any
@@ -167,11 +215,11 @@ class Guard:
                 text = pieces.sent
             if len(text) > len(pieces.sent):
                 yield text[len(pieces.sent) :]
-        yield self._respond(prompt, text, ended, generate_s=time.perf_counter() - t0)
+        yield self._respond_many([prompt], [(text, ended)], generate_s=time.perf_counter() - t0)[0]
 
     def guarded(self, prompt: PromptLike, response: str, *, ended: bool = True) -> GuardedResponse:
         """A response produced elsewhere, through the same score -> decide -> audit flow."""
-        return self._respond(layout.validate_prompt(prompt), layout.validate_response(response), ended)
+        return self._respond_many([layout.validate_prompt(prompt)], [(layout.validate_response(response), ended)])[0]
 
     def score(self, prompt: PromptLike, response: str, *, ended: bool = True) -> Scores:
         """Score a response produced elsewhere, by teacher forcing."""
@@ -231,18 +279,18 @@ class Guard:
         """
         if not options:
             raise InputError("options list is empty")
-        out = []
+        prompt_ids = layout.prompt_ids(self.tokenizer, prompt)
+        rows = [layout.response_ids(self.tokenizer, o, ended=ended) for o in options]
+        layout.check_fits(self.model, len(prompt_ids) + max(len(r) for r in rows))
         with model_lock(self.model):
             was_training = self.model.training
             self.model.eval()
             try:
-                for option in options:
-                    enc = layout.encode(self.tokenizer, self.model, prompt, option, ended=ended)
-                    ids = enc.input_ids.to(self._device)
-                    out.append(mean_token_prob(self.model, ids, enc.response_start))
+                return batching.option_mean_probs(self.model, prompt_ids, rows, self._pad_id, self._device)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                raise ScoringError(f"option forward failed inside the model: {str(exc).splitlines()[0]}") from exc
             finally:
                 self.model.train(was_training)
-        return out
 
     # ----------------------------------------------------------------- helpers
 
@@ -250,30 +298,62 @@ class Guard:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _respond(
-        self, prompt: PromptLike, text: str, ended: bool, *, generate_s: float | None = None
-    ) -> GuardedResponse:
-        """score -> calibrate -> decide (-> escalate) -> audit."""
+    @property
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else layout.stop_token_ids(self.tokenizer)[0]
+
+    def _respond_many(
+        self,
+        prompts: Sequence[PromptLike],
+        replies: Sequence[tuple[str, bool]],
+        *,
+        generate_s: float | None = None,
+    ) -> list[GuardedResponse]:
+        """score (batched) -> calibrate -> decide (-> escalate) -> audit, per response."""
         t1 = time.perf_counter()
-        scores = self._score_or_invalid(prompt, text, ended)
-        t2 = time.perf_counter()
-        timings = {"score_s": t2 - t1} if generate_s is None else {"generate_s": generate_s, "score_s": t2 - t1}
-        response = GuardedResponse(
-            text=text,
-            scores=scores,
-            ended=ended,
-            prompt=prompt,
-            model=self.info,
-            timings=timings,
-        )
+        scores = self._score_many(prompts, replies)
+        score_s = (time.perf_counter() - t1) / len(prompts)
+        timings = {"score_s": score_s} if generate_s is None else {"generate_s": generate_s, "score_s": score_s}
+        responses = [
+            GuardedResponse(text=text, scores=s, ended=ended, prompt=p, model=self.info, timings=dict(timings))
+            for p, (text, ended), s in zip(prompts, replies, scores, strict=True)
+        ]
         if self.policy is None and self.calibrator is None and self.audit is None:
-            return response
-        return self._decide(response)
+            return responses
+        decided, abstention = [], None
+        for r in responses:
+            try:
+                decided.append(self._decide(r))
+            except GuardUQAbstention as exc:  # every response is decided and audited first
+                abstention = abstention or exc
+        if abstention is not None:
+            raise abstention
+        return decided
+
+    def _score_many(self, prompts: Sequence[PromptLike], replies: Sequence[tuple[str, bool]]) -> list[Scores]:
+        """One ``score_batch`` over the non-empty replies; if it fails, each alone, so that one
+        bad reply does not invalidate the others."""
+        out: list[Scores] = [
+            invalid_scores("the model produced an empty response", self.scorer.n_params)
+            for _ in replies
+        ]
+        todo = [i for i, (text, _) in enumerate(replies) if text.strip()]
+        if len(todo) > 1:
+            try:
+                pairs = [(prompts[i], replies[i][0]) for i in todo]
+                got = self.score_batch(pairs, ended=[replies[i][1] for i in todo])
+                for i, s in zip(todo, got, strict=True):
+                    out[i] = s
+                return out
+            except ScoringError as exc:
+                log.warning("batch_scoring_failed", error=str(exc), note="scoring each reply alone")
+        for i in todo:
+            out[i] = self._score_or_invalid(prompts[i], *replies[i])
+        return out
 
     def _score_or_invalid(self, prompt: PromptLike, text: str, ended: bool) -> Scores:
         """With a policy, a scoring failure becomes invalid scores, which its on_error handles."""
-        if not text.strip():
-            return invalid_scores("the model produced an empty response", self.scorer.n_params)
         try:
             return self.score(prompt, text, ended=ended)
         except ScoringError as exc:
@@ -327,33 +407,35 @@ class Guard:
             "max_new_tokens": self.max_new_tokens,
             "do_sample": False,
             "eos_token_id": stops,
-            "pad_token_id": self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else stops[0],
+            "pad_token_id": self._pad_id,
             **kwargs,  # the caller's settings win; the model's own config is never mutated
         }
 
-    def _generate_text(self, prompt: PromptLike, kwargs: dict[str, Any]) -> tuple[str, bool]:
-        ids = layout.prompt_ids(self.tokenizer, prompt)
-        layout.check_fits(self.model, len(ids) + 1)
-        gen = self._generation_settings(kwargs)
-        return self._decode_reply(self._run_generate(ids, gen), gen["eos_token_id"])
+    def _generate_rows(self, prompts: Sequence[PromptLike], gen: dict[str, Any]) -> list[list[int]]:
+        """Each prompt's new token ids, up to and including the token where its row stopped."""
+        rows = [layout.prompt_ids(self.tokenizer, p) for p in prompts]
+        for ids in rows:
+            layout.check_fits(self.model, len(ids) + 1)
+        input_ids, mask = batching.left_pad(rows, self._pad_id, self._device)
+        gen, recorder = batching.recorder_settings(gen, int(input_ids.shape[1]))
+        out = self._model_generate(input_ids, mask, gen)
+        return recorder.rows(out[:, input_ids.shape[1] :])
 
     def _run_generate(self, ids: list[int], gen: dict[str, Any]) -> list[int]:
-        """The new token ids ``model.generate`` appends to the prompt ``ids``."""
+        """The new token ids ``model.generate`` appends to the prompt ``ids`` (one row: ``stream``)."""
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
+        return self._model_generate(input_ids, torch.ones_like(input_ids), gen)[0, len(ids) :].tolist()
+
+    def _model_generate(self, input_ids: torch.Tensor, mask: torch.Tensor, gen: dict[str, Any]) -> torch.Tensor:
         with model_lock(self.model), torch.no_grad():
             was_training = self.model.training
             self.model.eval()
             try:
-                out = self.model.generate(
-                    input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **gen
-                )
+                return self.model.generate(input_ids=input_ids, attention_mask=mask, **gen)
             except (TypeError, ValueError) as exc:
                 raise InputError(f"invalid generation settings: {str(exc).splitlines()[0]}") from exc
             finally:
                 self.model.train(was_training)
-        return out[0, len(ids) :].tolist()
 
     def _decode_reply(self, new: list[int], eos_token_id: int | list[int]) -> tuple[str, bool]:
         eos = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])

@@ -146,8 +146,71 @@ def resolve_alias(name: str) -> Path:
     )
 
 
-def load_model(spec: str | os.PathLike[str] = DEFAULT_MODEL, *, use_cache: bool = True) -> LoadedModel:
-    """Load ``spec`` in fp32 eval mode: an alias, a ``.gguf`` path, a local HF folder or a hub id."""
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """float32 (default), bfloat16 or float16, by ``torch.dtype`` or name ("bf16", "float16", ...)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.strip().lower().removeprefix("torch.")]
+    raise InputError(f"unknown dtype {dtype!r}; use float32, bfloat16 (bf16) or float16 (fp16)")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """"cpu" (default), "cuda" or "cuda:N" (or a ``torch.device``), checked against the machine."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(str(device).strip())
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise InputError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise InputError(f"device {device!r} asked for, but torch sees no CUDA GPU on this machine")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev
+
+
+def place_model(model: nn.Module, device: str | torch.device | None, dtype: str | torch.dtype | None) -> None:
+    """Move/cast ``model`` in place. Fingerprint it first: the fingerprint names the fp32 weights."""
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    fingerprint(model)  # cached per object, so casting afterwards keeps the weights' name
+    try:
+        model.to(device=dev)
+        with torch.no_grad():  # parameters only: float buffers (e.g. RoPE frequencies) stay fp32
+            for p in model.parameters():
+                if p.is_floating_point() and p.dtype != dt:
+                    p.data = p.data.to(dt)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        raise ModelLoadError(f"cannot place the model on {dev} as {dt}: {_first_line(exc)}") from exc
+
+
+def load_model(
+    spec: str | os.PathLike[str] = DEFAULT_MODEL,
+    *,
+    use_cache: bool = True,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> LoadedModel:
+    """Load ``spec`` in eval mode: an alias, a ``.gguf`` path, a local HF folder or a hub id.
+
+    Weights load in float32 on the CPU and are fingerprinted there, then moved to ``device``
+    ("cpu", "cuda", "cuda:N") and cast to ``dtype`` (float32, bfloat16/"bf16", float16/"fp16"):
+    the same weights have one fingerprint whatever the device and dtype.
+    """
+    resolve_device(device), resolve_dtype(dtype)  # bad values fail before the slow part
     if not isinstance(spec, str | os.PathLike) or not str(spec).strip():
         raise InputError(f"model spec must be a non-empty string or path, got {spec!r}")
     text = str(spec).strip()
@@ -180,6 +243,7 @@ def load_model(spec: str | os.PathLike[str] = DEFAULT_MODEL, *, use_cache: bool 
         source=source,
         n_params=sum(p.numel() for p in model.parameters()),
     )
+    place_model(model, device, dtype)
     log.info("model_loaded", model=name, fingerprint=info.fingerprint, seconds=round(time.perf_counter() - t0, 2))
     return LoadedModel(model=model, tokenizer=tok, info=info)
 

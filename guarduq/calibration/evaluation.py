@@ -2,16 +2,19 @@
 
 Scoring is slow (one backward pass per response), so every finished item is appended at once to a
 JSON Lines cache (flush + fsync). A re-run skips what the cache already holds for the same item,
-prompt and model fingerprint, so a run killed halfway loses at most the item in flight; a torn
+prompt and model fingerprint, so a run killed halfway loses at most the batch in flight; a torn
 last line left by the kill is cut off when the cache is reopened.
 
 Per item kind:
 
-* ``qa``: ``guard.generate`` (greedy, short), then the dataset's grader labels the text.
-* ``mc``: ``guard.option_probs`` over the options; the argmax is the model's choice, and that
-  option, as the response, is what ``guard.score`` scores; correct when it is the key. With a
-  few-shot prompt the option ends with the stop string (a newline) instead of end-of-turn.
-* ``labelled``: ``guard.score(prompt, response)`` with the label from the data.
+* ``qa``: ``guard.generate_batch`` (greedy, short), then the dataset's grader labels the text.
+* ``mc``: ``guard.option_probs`` over the options (one padded forward); the argmax is the
+  model's choice, and that option, as the response, is what ``guard.score_batch`` scores; correct
+  when it is the key. With a few-shot prompt the option ends with the stop string (a newline)
+  instead of end-of-turn.
+* ``labelled``: ``guard.score_batch`` over (prompt, response) with the label from the data.
+
+Items go ``batch_size`` at a time; a batch's records are appended as soon as it is done.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tqdm.auto import tqdm
 
+from guarduq import batching
 from guarduq._logging import get_logger
 from guarduq.calibration.datasets import Item, label_choice, label_response
 from guarduq.errors import CacheCorruptError, InputError, ScoringError
@@ -42,9 +46,9 @@ class GuardLike(Protocol):
 
     info: Any  # .name, .fingerprint
 
-    def generate(self, prompt: Any, **kwargs: Any) -> Any: ...
+    def generate_batch(self, prompts: Sequence[Any], *, batch_size: int | None = None, **kwargs: Any) -> list[Any]: ...
 
-    def score(self, prompt: Any, response: str, *, ended: bool = True) -> Any: ...
+    def score_batch(self, pairs: Sequence[tuple[Any, str]], *, ended: bool = True) -> list[Any]: ...
 
     def option_probs(self, prompt: Any, options: Sequence[str], *, ended: bool = True) -> list[float]: ...
 
@@ -146,82 +150,133 @@ class ScoreCache:
 
 def score_item(guard: GuardLike, item: Item, *, max_new_tokens: int = QA_MAX_NEW_TOKENS) -> ScoredItem:
     """Answer (or choose), label and score one item. Bad input for one item is recorded, not raised."""
-    fp = guard.info.fingerprint
+    return score_items(guard, [item], max_new_tokens=max_new_tokens)[0]
+
+
+def score_items(
+    guard: GuardLike, items: Sequence[Item], *, max_new_tokens: int = QA_MAX_NEW_TOKENS
+) -> list[ScoredItem]:
+    """Answer (or choose), label and score a batch of items, batched where the guard can:
+    one ``generate_batch`` per set of generation settings, one forward per multiple-choice
+    question, one ``score_batch`` for every chosen option and labelled response.
+
+    Bad input for one item (e.g. a prompt too long for the model) is recorded on that item, not
+    raised; ``seconds`` is the batch's wall time shared equally.
+    """
     t0 = time.perf_counter()
+    out: dict[int, dict[str, Any] | Exception] = {}
+    by_settings: dict[tuple[str, ...], list[int]] = {}
+    to_score: list[tuple[int, str, bool, dict[str, Any]]] = []  # (index, response, ended, fields)
+    for i, item in enumerate(items):
+        if item.kind == "qa":
+            by_settings.setdefault(item.stop_strings, []).append(i)
+        elif item.kind == "mc":
+            # A few-shot answer ends with its stop string, as a generated one does, not with EOS.
+            ended = not item.stop_strings
+            options = [o + item.stop_strings[0] if item.stop_strings else o for o in item.options]
+            try:
+                probs = [float(p) for p in guard.option_probs(item.prompt, options, ended=ended)]
+            except InputError as exc:
+                out[i] = exc
+                continue
+            choice = max(range(len(probs)), key=probs.__getitem__)
+            fields = {"label": label_choice(item, choice), "choice": choice, "option_probs": probs}
+            to_score.append((i, options[choice], ended, fields))
+        elif item.kind == "labelled":
+            assert item.response is not None
+            to_score.append((i, item.response, True, {"label": item.label}))
+        else:
+            out[i] = InputError(f"unknown item kind {item.kind!r}")
+    for stops, idx in by_settings.items():
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+        if stops:
+            kwargs.update(stop_strings=list(stops), tokenizer=guard.tokenizer)  # type: ignore[attr-defined]
+        replies = _each_or_error(
+            lambda ps, kw=kwargs: guard.generate_batch(ps, batch_size=len(ps), **kw),
+            [items[i].prompt for i in idx],
+        )
+        for i, r in zip(idx, replies, strict=True):
+            out[i] = r if isinstance(r, Exception) else {
+                "response": r.text, "label": label_response(items[i], r.text),
+                "scores": r.scores.to_dict(), "ended": r.ended,
+            }
+    scored = _each_or_error(
+        lambda rows: guard.score_batch([(p, r) for p, r, _ in rows], ended=[e for *_, e in rows]),
+        [(items[i].prompt, response, ended) for i, response, ended, _ in to_score],
+    )
+    for (i, response, ended, fields), s in zip(to_score, scored, strict=True):
+        out[i] = s if isinstance(s, Exception) else {
+            "response": response, "scores": s.to_dict(), "ended": ended, **fields,
+        }
+    seconds = (time.perf_counter() - t0) / max(len(items), 1)
+    return [_record(item, guard.info.fingerprint, out[i], seconds) for i, item in enumerate(items)]
+
+
+def _each_or_error(run: Callable[[list[Any]], list[Any]], xs: list[Any]) -> list[Any]:
+    """``run(xs)``; when that raises ``InputError``, each x alone, with its error in its place."""
+    if not xs:
+        return []
+    try:
+        return run(xs)
+    except InputError as exc:
+        if len(xs) == 1:
+            return [exc]
+    out: list[Any] = []
+    for x in xs:
+        try:
+            out.append(run([x])[0])
+        except InputError as exc:
+            out.append(exc)
+    return out
+
+
+def _record(item: Item, fingerprint: str, result: dict[str, Any] | Exception, seconds: float) -> ScoredItem:
     base = {
         "id": item.id,
         "dataset": item.dataset,
         "kind": item.kind,
         "prompt_hash": item.prompt_hash,
-        "model_fingerprint": fp,
+        "model_fingerprint": fingerprint,
         "split": item.split,
+        "seconds": seconds,
     }
-    try:
-        if item.kind == "qa":
-            kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens}
-            if item.stop_strings:
-                kwargs.update(stop_strings=list(item.stop_strings), tokenizer=guard.tokenizer)  # type: ignore[attr-defined]
-            r = guard.generate(item.prompt, **kwargs)
-            return ScoredItem(
-                **base,
-                response=r.text,
-                label=label_response(item, r.text),
-                scores=r.scores.to_dict(),
-                ended=r.ended,
-                seconds=time.perf_counter() - t0,
-            )
-        if item.kind == "mc":
-            # A few-shot answer ends with its stop string, as a generated one does, not with EOS.
-            ended = not item.stop_strings
-            options = [o + item.stop_strings[0] if item.stop_strings else o for o in item.options]
-            probs = [float(p) for p in guard.option_probs(item.prompt, options, ended=ended)]
-            choice = max(range(len(probs)), key=probs.__getitem__)
-            scores = guard.score(item.prompt, options[choice], ended=ended)
-            return ScoredItem(
-                **base,
-                response=options[choice],
-                label=label_choice(item, choice),
-                scores=scores.to_dict(),
-                ended=ended,
-                choice=choice,
-                option_probs=probs,
-                seconds=time.perf_counter() - t0,
-            )
-        if item.kind == "labelled":
-            assert item.response is not None
-            scores = guard.score(item.prompt, item.response)
-            return ScoredItem(
-                **base,
-                response=item.response,
-                label=item.label,
-                scores=scores.to_dict(),
-                ended=True,
-                seconds=time.perf_counter() - t0,
-            )
-        raise InputError(f"unknown item kind {item.kind!r}")
-    except InputError as exc:  # e.g. a prompt too long for this model: skip the item, say why
-        log.warning("item_not_scored", id=item.id, error=str(exc))
+    if isinstance(result, Exception):  # e.g. a prompt too long for this model: skip the item, say why
+        log.warning("item_not_scored", id=item.id, error=str(result))
         return ScoredItem(
-            **base,
-            response=None,
-            label=None,
-            scores=None,
-            error=f"{type(exc).__name__}: {exc}",
-            seconds=time.perf_counter() - t0,
+            **base, response=None, label=None, scores=None, error=f"{type(result).__name__}: {result}"
         )
+    return ScoredItem(**base, **result)
+
+
+@runtime_checkable
+class BatchScorer(Protocol):
+    """Scores batches of items elsewhere (e.g. ``guarduq.distributed.RayScorer``), in any order."""
+
+    info: Any
+
+    def score_item_batches(
+        self, batches: list[list[Item]], *, max_new_tokens: int
+    ) -> Iterator[list[ScoredItem]]: ...
 
 
 def score_dataset(
-    guard: GuardLike,
+    guard: GuardLike | BatchScorer,
     items: Iterable[Item],
     cache_path: str | os.PathLike[str] | None = None,
     *,
+    batch_size: int | None = None,
     progress: bool = True,
     max_new_tokens: int = QA_MAX_NEW_TOKENS,
     desc: str = "scoring",
 ) -> list[ScoredItem]:
-    """Score every item (resuming from ``cache_path``), in item order, with a progress bar + ETA."""
+    """Score every item (resuming from ``cache_path``), in item order, with a progress bar + ETA.
+
+    Items go ``batch_size`` at a time (default ``batching.DEFAULT_BATCH_SIZE``); each record is
+    appended (fsynced) as soon as its batch is done, so a killed run loses at most the batches
+    in flight. ``guard`` may be a ``BatchScorer`` that scores the batches elsewhere.
+    """
     items = list(items)
+    size = batching.check_batch_size(batch_size)
     fp = guard.info.fingerprint
     cache = ScoreCache(cache_path) if cache_path is not None else None
     results: dict[str, ScoredItem] = {}
@@ -243,15 +298,22 @@ def score_dataset(
         disable=not progress,
         dynamic_ncols=True,
     )
+    batches = list(batching.chunked(todo, size))
+    if isinstance(guard, BatchScorer):
+        done = guard.score_item_batches(batches, max_new_tokens=max_new_tokens)
+    else:
+        done = (score_items(guard, batch, max_new_tokens=max_new_tokens) for batch in batches)
     n_correct = sum(1 for r in results.values() if r.label == 1)
     try:
-        for item in todo:
-            rec = score_item(guard, item, max_new_tokens=max_new_tokens)
-            if cache is not None:
-                cache.append(rec)
-            results[item.id] = rec
-            n_correct += rec.label == 1
-            bar.update(1)
+        for recs in done:
+            for rec in recs:
+                if rec.model_fingerprint != fp:
+                    raise ScoringError(f"a record was scored by model {rec.model_fingerprint}, expected {fp}")
+                if cache is not None:
+                    cache.append(rec)
+                results[rec.id] = rec
+                n_correct += rec.label == 1
+            bar.update(len(recs))
             bar.set_postfix(acc=f"{n_correct / len(results):.2f}", refresh=False)
     finally:
         bar.close()

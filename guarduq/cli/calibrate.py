@@ -25,6 +25,7 @@ from guarduq.calibration import (
     Evaluation,
 )
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.cli._run import open_scorer, run_args
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -86,6 +87,7 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-malformed", action="store_true", help="skip bad rows instead of failing")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true")
+    run_args(p)
 
 
 # --------------------------------------------------------------------------- shared steps
@@ -114,8 +116,6 @@ def _score_all(
     ``p_true``: also compute the opt-in P(True) feature (one extra forward per answer, cached).
     """
     from guarduq.calibration.evaluation import add_p_true, check_guard_errors, score_dataset
-    from guarduq.guard import Guard  # heavy import (torch) only when needed
-    from guarduq.layout import has_chat_template
 
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
@@ -123,27 +123,32 @@ def _score_all(
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     style = "instruct" if args.prompt_style == "auto" else args.prompt_style
     datasets = _load_datasets(args, style)
-    guard = Guard(model_spec)
-    if check is not None:
-        check(guard)
-    if args.prompt_style == "auto" and not has_chat_template(guard.tokenizer):
-        datasets = _load_datasets(args, "fewshot")
-    records = []
-    for ds in datasets:
-        cache = args.cache or _default_cache(args.runs_dir, guard.info.name, ds)
-        recs = score_dataset(
-            guard,
-            ds.items,
-            cache,
-            progress=not args.no_progress,
-            max_new_tokens=args.max_new_tokens,
-            desc=ds.name,
-        )
-        check_guard_errors(recs)
-        if p_true:
-            recs = add_p_true(guard, ds.items, recs, cache, progress=not args.no_progress,
-                              desc=f"{ds.name} P(True)")
-        records.extend(recs)
+    guard, chat_template = open_scorer(args, model_spec)
+    try:
+        if check is not None:
+            check(guard)
+        if args.prompt_style == "auto" and not chat_template:
+            datasets = _load_datasets(args, "fewshot")
+        records = []
+        for ds in datasets:
+            cache = args.cache or _default_cache(args.runs_dir, guard.info.name, ds)
+            recs = score_dataset(
+                guard,
+                ds.items,
+                cache,
+                batch_size=args.batch_size,
+                progress=not args.no_progress,
+                max_new_tokens=args.max_new_tokens,
+                desc=ds.name,
+            )
+            check_guard_errors(recs)
+            if p_true:
+                recs = add_p_true(guard, ds.items, recs, cache, progress=not args.no_progress,
+                                  desc=f"{ds.name} P(True)")
+            records.extend(recs)
+    finally:
+        if hasattr(guard, "close"):  # Ray actors
+            guard.close()
     return guard, datasets, records
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tqdm.auto import tqdm
 
+from guarduq.cli._run import open_scorer, run_args
 from guarduq.errors import DatasetError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -53,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--not-ended", action="store_true", help="the reply was cut, not ended")
     p.add_argument("--input", type=Path, help="JSONL with prompt, response[, id, ended]")
     p.add_argument("--json", action="store_true", help="print JSON (always JSON with --input)")
+    run_args(p)
     p.set_defaults(func=_cmd_score)
 
     g = sub.add_parser("generate", help="generate a reply and score it")
@@ -60,6 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--json", action="store_true")
+    g.add_argument("--device", help="cpu (default), cuda or cuda:N")
+    g.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16")
     g.set_defaults(func=_cmd_generate)
 
     d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores")
@@ -88,15 +93,34 @@ def _cmd_score(args: argparse.Namespace) -> int:
             id=None, prompt=args.prompt, response=args.response, ended=not args.not_ended
         )
     ]
-    guard = _guard(args.model)
-    for req in tqdm(requests, desc="scoring", unit="resp", disable=args.input is None, file=sys.stderr):
-        scores = guard.score(req.prompt, req.response, ended=req.ended)
-        row = _row(guard, scores, **({"id": req.id} if req.id is not None else {}))
-        if args.json or args.input:
-            print(json.dumps(row), flush=True)
-        else:
-            _print_human(row)
+    guard, _ = open_scorer(args, args.model)
+    try:
+        for req, scores in zip(requests, _score_requests(guard, requests, args), strict=True):
+            row = _row(guard, scores, **({"id": req.id} if req.id is not None else {}))
+            if args.json or args.input:
+                print(json.dumps(row), flush=True)
+            else:
+                _print_human(row)
+    finally:
+        if hasattr(guard, "close"):  # Ray actors
+            guard.close()
     return 0
+
+
+def _score_requests(guard: Any, requests: list[ScoreRequest], args: argparse.Namespace) -> Iterator[Any]:
+    """Scores in request order, ``--batch-size`` at a time (on Ray actors with ``--ray``)."""
+    from guarduq.batching import chunked
+
+    pairs = [(r.prompt, r.response) for r in requests]
+    ended = [r.ended for r in requests]
+    if hasattr(guard, "score_pairs"):  # RayScorer
+        yield from guard.score_pairs(pairs, ended, batch_size=args.batch_size)
+        return
+    bar = tqdm(total=len(requests), desc="scoring", unit="resp", disable=args.input is None, file=sys.stderr)
+    for idx in chunked(range(len(requests)), args.batch_size):
+        yield from guard.score_batch([pairs[i] for i in idx], ended=[ended[i] for i in idx])
+        bar.update(len(idx))
+    bar.close()
 
 
 def _read_requests(path: Path) -> list[ScoreRequest]:
@@ -119,7 +143,7 @@ def _read_requests(path: Path) -> list[ScoreRequest]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    guard = _guard(args.model)
+    guard = _guard(args.model, device=args.device, dtype=args.dtype)
     r = guard.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     row = _row(guard, r.scores, text=r.text, ended=r.ended)
     if args.json:

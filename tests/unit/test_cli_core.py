@@ -65,3 +65,24 @@ def test_cli_unknown_model_is_one_line(capsys):
     assert main(["score", "--model", "no-such-model", "--prompt", "a", "--response", "b"]) == 2
     err = capsys.readouterr().err
     assert "unknown model spec" in err and "Traceback" not in err
+
+
+def test_score_input_batches_give_the_rows_of_batch_1(model_dir, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"Q{i}" * (i + 1), "response": "A" * (i + 1),
+                                       "ended": i % 2 == 0}) + "\n" for i in range(5)))
+    rows = {}
+    for size in ("1", "3"):
+        assert main(["score", "--model", model_dir, "--input", str(src), "--batch-size", size]) == 0
+        rows[size] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows["3"]] == list(range(5))
+    for a, b in zip(rows["1"], rows["3"], strict=True):
+        assert b["n_tokens"] == a["n_tokens"] and b["epistemic"] == pytest.approx(a["epistemic"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("flags", "needle"), [(["--device", "tpu"], "unknown device"),
+                                               (["--dtype", "int4"], "unknown dtype"),
+                                               (["--batch-size", "0"], "--batch-size must be >= 1")])
+def test_bad_run_flags_are_one_line(model_dir, flags, needle, capsys):
+    assert main(["score", "--model", model_dir, "--prompt", "a", "--response", "b", *flags]) == 2
+    assert needle in capsys.readouterr().err

@@ -69,6 +69,12 @@ class FakeGuard:
         self.calls.append(("score", response) if ended else ("score", response, "open"))
         return _scores(len(response) / 10)
 
+    def generate_batch(self, prompts: list[str], *, batch_size: int | None = None, **kwargs: Any) -> list[_Reply]:
+        return [self.generate(p, **kwargs) for p in prompts]
+
+    def score_batch(self, pairs: list[tuple[str, str]], *, ended: bool = True) -> list[Scores]:
+        return [self.score(p, r, ended=ended) for p, r in pairs]
+
     def option_probs(self, prompt: str, options: list[str], *, ended: bool = True) -> list[float]:
         self.calls.append(("option_probs", tuple(options)) if ended else
                           ("option_probs", tuple(options), "open"))
@@ -234,20 +240,22 @@ WORKER = textwrap.dedent(
     from guarduq.calibration.datasets import load_dataset
     from guarduq.calibration.evaluation import score_dataset
 
-    model, data, cache, delay = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    model, data, cache, delay, batch_size = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
     guard = Guard(model)
-    real_score = guard.score
-    def slow_score(*a, **k):  # slow enough that the test can kill it midway
-        time.sleep(delay)
-        return real_score(*a, **k)
-    guard.score = slow_score
-    score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False)
+    real_score_batch = guard.score_batch
+    def slow_score_batch(pairs, **k):  # slow enough that the test can kill it midway
+        time.sleep(delay * len(pairs))
+        return real_score_batch(pairs, **k)
+    guard.score_batch = slow_score_batch
+    score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False, batch_size=batch_size)
     """
 )
 
 
 @pytest.mark.slow
-def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model_dir: Path, batch_size: int) -> None:
+    """A kill loses at most the batch in flight; the rerun scores exactly the missing items."""
     from guarduq import Guard
 
     n = 16
@@ -256,7 +264,7 @@ def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(script), str(tiny_model_dir), str(data), str(cache), "0.3"]
+    cmd = [sys.executable, str(script), str(tiny_model_dir), str(data), str(cache), "0.3", str(batch_size)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -272,14 +280,14 @@ def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model
 
     guard = Guard(str(tiny_model_dir))
     scored: list[str] = []
-    real_score = guard.score
+    real_score_batch = guard.score_batch
 
-    def counting_score(prompt: Any, response: str, **kw: Any) -> Scores:
-        scored.append(response)
-        return real_score(prompt, response, **kw)
+    def counting_score_batch(pairs: list[tuple[Any, str]], **kw: Any) -> list[Scores]:
+        scored.extend(r for _, r in pairs)
+        return real_score_batch(pairs, **kw)
 
-    guard.score = counting_score  # type: ignore[method-assign]
-    recs = score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False)
+    guard.score_batch = counting_score_batch  # type: ignore[method-assign]
+    recs = score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False, batch_size=batch_size)
     assert len(scored) == n - done_before and len(recs) == n
     ids = [json.loads(x)["id"] for x in cache.read_text().splitlines()]
     assert len(ids) == n and max(Counter(ids).values()) == 1

@@ -1,0 +1,136 @@
+"""Batched forwards and generation that give each row exactly what it would get alone.
+
+* Generation: prompts are left-padded (``generate`` derives position ids from the attention
+  mask), and each row is cut where *it* stopped: HF keeps appending pad tokens to a finished
+  row, and a pad id may equal an end-of-turn id, so the stopping criteria are recorded per row
+  instead of guessed from the tokens.
+* Multiple-choice options: all options of a question share the prompt; they are right-padded
+  into one forward and each option's p̄ is averaged over its own response tokens only.
+
+Low layer: imports torch/transformers only, never ``guard``/``policy``/``cli``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from guarduq.errors import InputError
+
+T = TypeVar("T")
+
+DEFAULT_BATCH_SIZE = 8
+
+
+def check_batch_size(batch_size: int | None) -> int:
+    """``None`` means the default; anything but a positive int is an ``InputError``."""
+    if batch_size is None:
+        return DEFAULT_BATCH_SIZE
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return batch_size
+
+
+def chunked(seq: Sequence[T], size: int) -> Iterator[list[T]]:
+    for i in range(0, len(seq), size):
+        yield list(seq[i : i + size])
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) with every row right-aligned."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class FinishRecorder:
+    """A stopping criterion that records the step at which each row first stopped.
+
+    It wraps the criteria that decide per row (stop strings, the caller's own) and returns their
+    verdict, so ``generate`` stops exactly as it would without it; end-of-turn ids are checked
+    here too (``generate``'s own EOS criterion stops on them).
+    """
+
+    def __init__(self, eos_ids: Sequence[int], criteria: Sequence[Any], prompt_width: int) -> None:
+        self.eos = torch.tensor(list(eos_ids), dtype=torch.long)
+        self.criteria = list(criteria)
+        self.prompt_width = prompt_width
+        self.stopped_at: torch.Tensor | None = None  # new-token count at the first stop, -1 if none
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for c in self.criteria:
+            done = done | c(input_ids, scores, **kwargs)
+        hit = done | torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
+        if self.stopped_at is None:
+            self.stopped_at = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
+        first = hit.cpu() & (self.stopped_at < 0)
+        self.stopped_at[first] = input_ids.shape[1] - self.prompt_width
+        return done
+
+    def rows(self, new: torch.Tensor) -> list[list[int]]:
+        """Each row's own new tokens: up to and including its stop, else all of them."""
+        out = []
+        for i, row in enumerate(new.tolist()):
+            n = int(self.stopped_at[i]) if self.stopped_at is not None else -1
+            out.append(row[:n] if n > 0 else row)
+        return out
+
+
+def recorder_settings(gen: dict[str, Any], prompt_width: int) -> tuple[dict[str, Any], FinishRecorder]:
+    """``gen`` with its stop strings and stopping criteria moved inside a ``FinishRecorder``."""
+    gen = dict(gen)
+    criteria = list(gen.pop("stopping_criteria", None) or [])
+    stops = gen.pop("stop_strings", None)
+    if stops:
+        from transformers import StopStringCriteria
+
+        tokenizer = gen.get("tokenizer")
+        if tokenizer is None:
+            raise InputError("stop_strings needs the tokenizer passed as tokenizer=")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stops))
+    eos = gen["eos_token_id"]
+    recorder = FinishRecorder(eos if isinstance(eos, list) else [eos], criteria, prompt_width)
+    gen["stopping_criteria"] = [recorder]
+    return gen, recorder
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+
+def option_mean_probs(
+    model: nn.Module, prompt: Sequence[int], options: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> list[float]:
+    """p̄ of each option after ``prompt``, in one right-padded forward (no grad)."""
+    start = len(prompt)
+    lengths = [start + len(o) for o in options]
+    width = max(lengths)
+    ids = torch.full((len(options), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(options), width), dtype=torch.long)
+    for i, o in enumerate(options):
+        ids[i, : lengths[i]] = torch.tensor([*prompt, *o], dtype=torch.long)
+        mask[i, : lengths[i]] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    keep = width - start + 1  # positions start-1 .. width-1
+    with torch.no_grad():
+        try:
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        except TypeError:  # models whose forward has no logits_to_keep
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        logits = logits[:, -keep:-1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        log_probs = torch.log_softmax(logits, dim=-1)
+        tok = log_probs.gather(-1, ids[:, start:].unsqueeze(-1)).squeeze(-1)
+        valid = mask[:, start:].to(torch.float64)
+        p_bar = (tok.exp().double() * valid).sum(-1) / valid.sum(-1)
+    return [float(x) for x in p_bar.cpu()]

@@ -1,0 +1,39 @@
+"""Flags and set-up shared by the commands that run a model: batch size, device, dtype, Ray."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from guarduq.errors import InputError
+
+
+def run_args(p: argparse.ArgumentParser, *, ray: bool = True) -> None:
+    """--batch-size, --device, --dtype (and --ray): how and where the model runs."""
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="items per batched generate/forward/backward (default 8; 1 = one at a time)")
+    p.add_argument("--device", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16; scores stay fp32/fp64")
+    if ray:
+        p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                       help="score on Ray actors, one model each: a local Ray instance, or the cluster "
+                            "at ADDRESS ('auto', 'ray://host:10001'); needs pip install 'guarduq[ray]'")
+        p.add_argument("--ray-cpus-per-actor", type=int, default=4,
+                       help="CPU cores per actor when the cluster has no GPU (default 4)")
+
+
+def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:
+    """(a Guard, or a RayScorer with --ray; whether the model's tokenizer has a chat template)."""
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if getattr(args, "ray", None) is not None:
+        from guarduq.distributed import RayScorer
+
+        pool = RayScorer(model_spec, address=args.ray or None, cpus_per_actor=args.ray_cpus_per_actor,
+                         device=args.device, dtype=args.dtype)
+        return pool, pool.chat_template
+    from guarduq.guard import Guard  # heavy import (torch) only when needed
+    from guarduq.layout import has_chat_template
+
+    guard = Guard(model_spec, device=args.device, dtype=args.dtype)
+    return guard, has_chat_template(guard.tokenizer)
