@@ -72,8 +72,9 @@ class FakeGuard:
     def generate_batch(self, prompts: list[str], *, batch_size: int | None = None, **kwargs: Any) -> list[_Reply]:
         return [self.generate(p, **kwargs) for p in prompts]
 
-    def score_batch(self, pairs: list[tuple[str, str]], *, ended: bool = True) -> list[Scores]:
-        return [self.score(p, r, ended=ended) for p, r in pairs]
+    def score_batch(self, pairs: list[tuple[str, str]], *, ended: bool | list[bool] = True) -> list[Scores]:
+        flags = [ended] * len(pairs) if isinstance(ended, bool) else ended
+        return [self.score(p, r, ended=e) for (p, r), e in zip(pairs, flags, strict=True)]
 
     def option_probs(self, prompt: str, options: list[str], *, ended: bool = True) -> list[float]:
         self.calls.append(("option_probs", tuple(options)) if ended else
