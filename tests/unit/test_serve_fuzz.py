@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 import httpx
-
 import pytest
 
 pytest.importorskip("fastapi")
