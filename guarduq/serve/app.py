@@ -201,7 +201,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
         job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed)
         if not req.stream:
             r = await _wait(request, _submit(engine, job, s, metrics), metrics)
-            return _Json(_completion(req, model_ids[0], r, guard, n_prompt, max_new))
+            return _Json(_completion(req, model_ids[0], r, guard, n_prompt, max_new), headers=_header(r))
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
         job.push = lambda item: loop.call_soon_threadsafe(items.put_nowait, item)
@@ -226,7 +226,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
         job = Job("score", prompt, response=req.response, ended=req.ended)
         r = await _wait(request, _submit(engine, job, s, metrics), metrics)
         return _Json({"object": "guarduq.score", "model": model_ids[0], "shown_text": shown_text(r),
-                      "guarduq": metadata(r, "model")})
+                      "guarduq": _guarduq(r)}, headers=_header(r))
 
     return app
 
@@ -402,6 +402,20 @@ def _guarduq(r: GuardedResponse) -> dict[str, Any]:
     if r.risk is not None and not math.isfinite(r.risk):
         out["risk"] = None
     return out
+
+
+def _header(r: GuardedResponse) -> dict[str, str]:
+    """``x-guarduq``: the verdict in one header, for clients that drop unknown body fields
+    (LangChain's ChatOpenAI shows it with ``include_response_headers=True``)."""
+    d = r.decision
+    brief = {"request_id": r.request_id, "ended": r.ended, "epistemic": r.scores.epistemic,
+             "aleatoric": r.scores.aleatoric, "risk": r.risk, "action": d.action if d else None,
+             "rule": d.rule if d else None, "shown": d.shown if d else True}
+    return {"x-guarduq": json.dumps(_finite_json(brief), ensure_ascii=True, separators=(",", ":"))}
+
+
+def _finite_json(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
 
 def _completion(req: ChatRequest, model: str, r: GuardedResponse, guard: Guard, n_prompt: int,
