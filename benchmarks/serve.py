@@ -185,7 +185,7 @@ def audit_lines_ok(path: Path) -> tuple[int, int]:
     return good, bad
 
 
-def crash_test(tmp: Path, policy: Path, clients: int, max_tokens: int) -> dict[str, Any]:
+def crash_test(tmp: Path, policy: Path, clients: int, max_tokens: int, after: int) -> dict[str, Any]:
     audit, port = tmp / "crash-audit.jsonl", free_port()
     srv = Server(port, policy, audit, "on", tmp / "crash-server.log")
     srv.wait_ready()
@@ -194,7 +194,7 @@ def crash_test(tmp: Path, policy: Path, clients: int, max_tokens: int) -> dict[s
     runner = threading.Thread(target=lambda: result.update(
         load(srv.url, clients, 1000, max_tokens, stop_event=stop, progress=False)))
     runner.start()
-    while audit_lines_ok(audit)[0] < 8:  # mid-load: some answered, many in flight
+    while audit_lines_ok(audit)[0] < after:  # mid-load: some answered, many in flight
         time.sleep(0.1)
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait()
@@ -221,6 +221,7 @@ def main() -> int:
     ap.add_argument("--direct", type=int, default=64, help="requests for the direct baseline")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of direct/off/on")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--crash-after", type=int, default=8, help="kill -9 once this many are audited")
     ap.add_argument("--policy", type=Path, default=ROOT / "policies/default.yaml")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench/serve.json")
     args = ap.parse_args()
@@ -253,7 +254,7 @@ def main() -> int:
     finally:
         for srv in servers.values():
             srv.stop()
-    report["crash"] = crash_test(tmp, args.policy, args.clients, args.max_tokens)
+    report["crash"] = crash_test(tmp, args.policy, args.clients, args.max_tokens, args.crash_after)
     report["guard_has_generate_batch"] = hasattr(Guard, "generate_batch")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

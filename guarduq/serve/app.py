@@ -398,10 +398,7 @@ def _finish_reason(req: ChatRequest, r: GuardedResponse, usage: dict[str, int], 
 
 
 def _guarduq(r: GuardedResponse) -> dict[str, Any]:
-    out = metadata(r, "model")
-    if r.risk is not None and not math.isfinite(r.risk):
-        out["risk"] = None
-    return out
+    return metadata(r, "model")  # NaN scores (an invalid reply) become null in _Json
 
 
 def _header(r: GuardedResponse) -> dict[str, str]:

@@ -243,6 +243,16 @@ def test_no_key_refuses_a_non_loopback_host():
         check_bind(host, has_key=False, allow_unauthenticated_remote=True)
 
 
+def test_serve_command_refuses_before_loading_a_model(monkeypatch, capsys):
+    from guarduq.cli import main
+
+    assert main(["serve", "--model", "no-such-model", "--host", "0.0.0.0"]) == 2
+    assert "allow-unauthenticated-remote" in capsys.readouterr().err
+    monkeypatch.setenv("GUARDUQ_TEST_KEY", "short")
+    assert main(["serve", "--model", "no-such-model", "--api-key-env", "GUARDUQ_TEST_KEY"]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- operations
 
 
