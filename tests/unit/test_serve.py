@@ -326,3 +326,22 @@ def test_running_generation_stops_when_cancelled(guard, tokenizer):
         job.future.result(20)
     assert len(calls) < 10
     engine.close()
+
+
+def test_drift_gauges_follow_the_live_window(tokenizer):
+    import numpy as np
+
+    from guarduq.calibration_drift import Reference, psi
+
+    ref = Reference({"aleatoric": np.linspace(0.0, 0.25, 40), "log_epistemic": np.linspace(-3, 3, 40)}, "t")
+    app, _ = fake_app(tokenizer, drift_reference=ref, drift_min_n=3, drift_window=10)
+    c = TestClient(app)
+    for _ in range(2):
+        c.post("/v1/chat/completions", json=body())
+    assert 'guarduq_drift_window{feature="aleatoric"} 2.0' in c.get("/metrics").text
+    c.post("/v1/chat/completions", json=body())
+    text = c.get("/metrics").text
+    gauge = float(next(line.split()[-1] for line in text.splitlines()
+                       if line.startswith('guarduq_drift_psi{feature="aleatoric"}')))
+    assert gauge == pytest.approx(psi(ref.values["aleatoric"], [0.25] * 3), rel=1e-12)  # FakeGuard's value
+    assert 'guarduq_drift_level{feature="aleatoric"} 2.0' in text  # every live value in one decile
