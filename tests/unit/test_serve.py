@@ -4,6 +4,7 @@ HTTP boundary (queueing, batching, limits) is what is tested."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from typing import Any
@@ -345,3 +346,18 @@ def test_drift_gauges_follow_the_live_window(tokenizer):
                        if line.startswith('guarduq_drift_psi{feature="aleatoric"}')))
     assert gauge == pytest.approx(psi(ref.values["aleatoric"], [0.25] * 3), rel=1e-12)  # FakeGuard's value
     assert 'guarduq_drift_level{feature="aleatoric"} 2.0' in text  # every live value in one decile
+
+
+def test_tracing_is_a_no_op_without_otel_env_and_harmless_with_it(tokenizer, monkeypatch):
+    from guarduq.serve import tracing
+
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    assert tracing.make_tracer() is None
+    pytest.importorskip("opentelemetry")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "guarduq-test")
+    tracer = tracing.make_tracer()
+    assert tracer is not None
+    app, fake = fake_app(tokenizer)
+    tracing.record(tracer, "chat", time.time_ns(), fake._response(USER, "x"))  # raises nothing
+    assert TestClient(app).post("/v1/chat/completions", json=body()).status_code == 200
