@@ -351,17 +351,16 @@ def _submit(engine: Engine, job: Job, s: Settings, metrics: ServerMetrics) -> Jo
 
 
 async def _wait(request: Request, job: Job, metrics: ServerMetrics) -> GuardedResponse:
-    """The job's response; a client that disconnects meanwhile cancels it."""
+    """The job's response; a client that disconnects meanwhile cancels it (event-driven: no
+    polling, which would take the GIL from the generating thread many times a second)."""
     fut = asyncio.wrap_future(job.future)
+    gone = asyncio.ensure_future(_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=0.25)
-            if done:
-                break
-            if await request.is_disconnected():
-                job.cancel()
-                metrics.cancelled.inc()
-                raise ApiError(499, "client closed the request", code="client_closed")
+        done, _ = await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if fut not in done:
+            job.cancel()
+            metrics.cancelled.inc()
+            raise ApiError(499, "client closed the request", code="client_closed")
         return fut.result()
     except Cancelled:
         raise ApiError(499, "client closed the request", code="client_closed") from None
@@ -370,6 +369,14 @@ async def _wait(request: Request, job: Job, metrics: ServerMetrics) -> GuardedRe
         raise
     except GuardUQError as exc:
         raise _guard_error(exc) from None
+    finally:
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the server reports the client gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _guard_error(exc: GuardUQError) -> ApiError:
