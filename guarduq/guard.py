@@ -58,6 +58,29 @@ class GuardedResponse:
     risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
     decision: Decision | None = None  # what the policy decided, when the Guard has one
 
+    @property
+    def shown_text(self) -> str:
+        """What the user should see: the policy's text when there is a decision, else the reply."""
+        return self.decision.text if self.decision is not None else self.text
+
+    def metadata(self, scored_by: str = "model") -> dict[str, Any]:
+        """The JSON-ready record a face (LangChain message, server reply) attaches to the answer.
+
+        ``scored_by`` is ``"model"`` when the scores are the generating model's own, ``"scorer"``
+        when a local model read someone else's text by teacher forcing.
+        """
+        return {
+            "request_id": self.request_id,
+            "scored_by": scored_by,
+            "model": self.model.name,
+            "model_fingerprint": self.model.fingerprint,
+            "ended": self.ended,
+            "scores": self.scores.to_dict(with_token_probs=False),
+            "risk": self.risk,
+            "decision": self.decision.to_dict() if self.decision is not None else None,
+            "timings": dict(self.timings),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,

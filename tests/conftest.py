@@ -106,3 +106,19 @@ def _isolated_cache(
     if request.node.get_closest_marker("integration"):
         return
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+try:  # property-test budgets: a quick default, `HYPOTHESIS_PROFILE=fuzz` for a long run
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
+
+    _quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+    _hypothesis_settings.register_profile("fast", max_examples=2000, deadline=None,
+                                          suppress_health_check=_quiet)
+    _hypothesis_settings.register_profile("fuzz", max_examples=20000, deadline=None,
+                                          suppress_health_check=_quiet)
+    import os as _os
+
+    _hypothesis_settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+except ImportError:
+    pass

@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "guarduq.cli.calibrate",
     "guarduq.cli.policy",
     "guarduq.cli.sve",
+    "guarduq.cli.serve",
 )
 
 

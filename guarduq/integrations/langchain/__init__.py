@@ -28,8 +28,6 @@ from guarduq.integrations.langchain.callback import GuardRecord, GuardUQCallback
 from guarduq.integrations.langchain.chat_model import GuardedChatModel
 from guarduq.integrations.langchain.common import (
     METADATA_KEY,
-    metadata,
-    shown_text,
     to_chat_messages,
     with_policy,
 )
@@ -43,8 +41,6 @@ __all__ = [
     "GuardedOutput",
     "GuardedRunnable",
     "guard_runnable",
-    "metadata",
-    "shown_text",
     "to_chat_messages",
     "with_policy",
 ]

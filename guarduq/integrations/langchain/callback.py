@@ -28,7 +28,6 @@ from guarduq.integrations.langchain.common import (
     _ended,
     _payload_of,
     as_policy,
-    metadata,
     to_chat_messages,
     with_policy,
 )
@@ -204,7 +203,7 @@ class GuardUQCallbackHandler(BaseCallbackHandler):
                 raise prompts
             if prompts is None or i >= len(prompts):
                 raise InputError("the prompt of this generation was not seen (no start event)")
-            return metadata(self.scorer.guarded(prompts[i], g.text, ended=_ended(g)), "scorer")
+            return self.scorer.guarded(prompts[i], g.text, ended=_ended(g)).metadata("scorer")
         except GuardUQAbstention as exc:  # the scorer's Guard raises on abstain; here we only record
             decision = exc.decision if isinstance(exc.decision, Decision) else None
             return {"scored_by": "scorer", "decision": decision.to_dict() if decision else None}

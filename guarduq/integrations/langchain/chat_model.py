@@ -30,8 +30,6 @@ from guarduq.errors import GuardUQAbstention, InputError
 from guarduq.guard import Guard, GuardedResponse
 from guarduq.integrations.langchain.common import (
     METADATA_KEY,
-    metadata,
-    shown_text,
     to_chat_messages,
     with_policy,
 )
@@ -192,7 +190,7 @@ class GuardedChatModel(BaseChatModel):
         if request.special:
             return ChatResult(generations=[ChatGeneration(message=self._special_reply(request))])
         r = _last(request.guard.stream(request.prompt, **request.settings))
-        message = AIMessage(content=shown_text(r), **self._annotations(request, r))
+        message = AIMessage(content=r.shown_text, **self._annotations(request, r))
         return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(
@@ -219,7 +217,7 @@ class GuardedChatModel(BaseChatModel):
                 if live:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=item))
                 continue
-            content = "" if live else shown_text(item)
+            content = "" if live else item.shown_text
             last = AIMessageChunk(content=content, chunk_position="last", **self._annotations(request, item))
             yield ChatGenerationChunk(message=last)
 
@@ -296,7 +294,7 @@ class GuardedChatModel(BaseChatModel):
         n_in = len(layout.prompt_ids(tok, request.prompt))
         n_out = len(tok(r.text, add_special_tokens=False)["input_ids"]) + int(r.ended)
         return {
-            "response_metadata": {"model_name": request.guard.info.name, METADATA_KEY: metadata(r, "model")},
+            "response_metadata": {"model_name": request.guard.info.name, METADATA_KEY: r.metadata("model")},
             "usage_metadata": UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out),
         }
 

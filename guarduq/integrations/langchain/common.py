@@ -13,7 +13,7 @@ from langchain_core.outputs import (
 )
 
 from guarduq.errors import InputError, PolicyError
-from guarduq.guard import Guard, GuardedResponse
+from guarduq.guard import Guard
 from guarduq.integrations.langchain.tools import tool_call_text
 from guarduq.models import LoadedModel
 from guarduq.policy import Policy
@@ -83,30 +83,6 @@ def with_policy(guard: Guard, policy: PolicyLike) -> Guard:
         audit=guard.audit,
         raise_on_abstain=guard.raise_on_abstain,
     )
-
-
-def metadata(r: GuardedResponse, scored_by: str) -> dict[str, Any]:
-    """The JSON-ready record attached to a LangChain message or generation.
-
-    ``scored_by`` is ``"model"`` when the scores are the generating model's own, ``"scorer"``
-    when a local model read someone else's text by teacher forcing.
-    """
-    return {
-        "request_id": r.request_id,
-        "scored_by": scored_by,
-        "model": r.model.name,
-        "model_fingerprint": r.model.fingerprint,
-        "ended": r.ended,
-        "scores": r.scores.to_dict(with_token_probs=False),
-        "risk": r.risk,
-        "decision": r.decision.to_dict() if r.decision is not None else None,
-        "timings": dict(r.timings),
-    }
-
-
-def shown_text(r: GuardedResponse) -> str:
-    """What the user should see: the policy's text when there is a decision, else the reply."""
-    return r.decision.text if r.decision is not None else r.text
 
 
 def _payload_of(generation: Generation) -> dict[str, Any] | None:

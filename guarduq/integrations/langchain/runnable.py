@@ -29,7 +29,6 @@ from guarduq.integrations.langchain.common import (
     PolicyLike,
     _ended,
     _payload_of,
-    metadata,
     to_chat_messages,
     with_policy,
 )
@@ -134,7 +133,7 @@ class GuardedRunnable(Runnable[Any, Any]):
             decision = self.guard.policy.on_error_decision("scoring", exc, response=text)
             return self._apply(output, decision, {"scored_by": "scorer", "error": str(exc), "scores": None,
                                                   "risk": None, "decision": decision.to_dict()})
-        return self._apply(output, r.decision, metadata(r, self._scored_by(seen.generation)))
+        return self._apply(output, r.decision, r.metadata(self._scored_by(seen.generation)))
 
     def _scored_by(self, generation: Generation | None) -> str:
         """"model" when the chain's reply came from the Guard's own model, else "scorer"."""

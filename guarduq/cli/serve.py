@@ -1,0 +1,173 @@
+"""``guarduq serve`` (the OpenAI-compatible server) and ``guarduq drift`` (the offline check)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from guarduq.errors import GuardUQError, InputError
+from guarduq.models import DEFAULT_MODEL
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible chat-completions server with a policy")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
+    p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
+    p.add_argument("--audit", type=Path, help="append one JSON line per request to this file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key(s), comma-separated")
+    p.add_argument("--allow-unauthenticated-remote", action="store_true",
+                   help="bind a non-loopback host without an API key (not recommended)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    p.add_argument("--max-messages", type=int, default=64)
+    p.add_argument("--max-prompt-chars", type=int, default=32_000)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a client may ask")
+    p.add_argument("--default-max-tokens", type=int, help="when a request gives none (default 64)")
+    p.add_argument("--batching", choices=("on", "off"), default="on",
+                   help="micro-batch queued requests when the Guard has generate_batch")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--reference", type=Path,
+                   help="drift reference: score JSONL (default: the calibrator's evaluation_data)")
+    p.add_argument("--drift-window", type=int, default=500)
+    p.add_argument("--model-name", action="append", default=[],
+                   help="name clients use in 'model' (repeatable; default: the model's name)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_cmd_serve)
+
+    d = sub.add_parser("drift", help="compare an audit log's scores with a calibrator's data (PSI, KS)")
+    d.add_argument("--audit", type=Path, required=True, help="audit JSONL (guarduq serve --audit)")
+    d.add_argument("--calibrator", type=Path, help="calibrator JSON whose evaluation_data is the reference")
+    d.add_argument("--reference", type=Path, help="score JSONL to use as the reference instead")
+    d.add_argument("--last", type=int, help="only the last N audit lines (the live window)")
+    d.add_argument("--out", type=Path, help="write a PNG of reference vs live per feature")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--fail-on-alarm", action="store_true", help="exit 1 when any feature is in alarm")
+    d.set_defaults(func=_cmd_drift)
+
+
+def check_bind(host: str, *, has_key: bool, allow_unauthenticated_remote: bool) -> None:
+    """Refuse to expose an unauthenticated server beyond this machine unless told to."""
+    if has_key or allow_unauthenticated_remote or _is_loopback(host):
+        return
+    raise InputError(
+        f"refusing to listen on {host!r} without an API key: use --api-key-env VAR, bind 127.0.0.1, "
+        "or pass --allow-unauthenticated-remote"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def api_keys_from_env(var: str | None) -> tuple[str, ...]:
+    if var is None:
+        return ()
+    raw = os.environ.get(var)
+    if raw is None:
+        raise InputError(f"--api-key-env {var}: the environment variable {var} is not set")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if not keys:
+        raise InputError(f"--api-key-env {var}: the variable holds no key")
+    if any(len(k) < 16 for k in keys):
+        raise InputError(f"--api-key-env {var}: keys must be at least 16 characters")
+    return keys
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    keys = api_keys_from_env(args.api_key_env)
+    check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+    try:
+        import uvicorn
+
+        from guarduq.serve import Settings, create_app
+    except ImportError as exc:
+        raise GuardUQError(f"the server needs the serve extra: pip install 'guarduq[serve]' ({exc})") from exc
+    from guarduq.calibration.drift import load_reference
+    from guarduq.guard import Guard
+
+    guard = Guard(args.model, policy=args.policy, calibrator=args.calibrator, audit=args.audit)
+    features = guard.calibrator.features if guard.calibrator is not None else ()
+    settings = Settings(
+        model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),
+        api_keys=keys, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+        default_max_tokens=args.default_max_tokens, batching=args.batching == "on",
+        max_batch=args.max_batch, drift_window=args.drift_window,
+        drift_reference=load_reference(args.reference, features) if args.reference else None,
+    )
+    app = create_app(guard, settings=settings)
+    print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
+          f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
+          f"auth={'on' if keys else 'off'}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def _cmd_drift(args: argparse.Namespace) -> int:
+    from guarduq.calibration.drift import compare, load_reference, read_score_records
+
+    if (args.calibrator is None) == (args.reference is None):
+        raise InputError("give exactly one of --calibrator C.json or --reference scores.jsonl")
+    if not args.audit.is_file():
+        raise InputError(f"audit log not found: {args.audit}")
+    ref = load_reference(args.reference or args.calibrator)
+    records, skipped = read_score_records(args.audit)
+    if args.last:
+        records = records[-args.last:]
+    if not records:
+        raise InputError(f"{args.audit} holds no scored requests")
+    rows = compare(ref, records)
+    if args.json:
+        print(json.dumps({"reference": ref.source, "n_live": len(records), "skipped_lines": skipped,
+                          "features": [r.to_dict() for r in rows]}))
+    else:
+        print(f"reference: {ref.source}\nlive: {args.audit} ({len(records)} scored, {skipped} skipped)")
+        print(f"{'feature':<16} {'n':>6} {'PSI':>8} {'KS':>6}  level   (PSI: <0.1 ok, <0.25 watch, else alarm)")
+        for r in rows:
+            print(f"{r.feature:<16} {r.n:>6} {r.psi:>8.3f} {r.ks:>6.3f}  {r.level}")
+    if args.out:
+        _plot(ref, records, rows, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if args.fail_on_alarm and any(r.level == "alarm" for r in rows) else 0
+
+
+def _plot(ref: Any, records: list[dict[str, Any]], rows: list[Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from guarduq.calibration.drift import feature_values
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        r, live = ref.values[row.feature], np.asarray(feature_values(records, row.feature))
+        both = np.concatenate([r, live]) if live.size else r
+        bins = np.linspace(both.min(), both.max(), 25) if both.max() > both.min() else 10
+        ax.hist(r, bins=bins, density=True, alpha=0.5, label=f"reference (n={r.size})")
+        if live.size:
+            ax.hist(live, bins=bins, density=True, alpha=0.5, label=f"live (n={live.size})")
+        ax.set_title(f"{row.feature}: PSI {row.psi:.3f}, KS {row.ks:.3f} ({row.level})")
+        ax.set_xlabel(row.feature)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
