@@ -268,7 +268,7 @@ class Guard:
         elif self.policy is not None:
             decision = self.policy.decide(
                 make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
-                request_id=r.request_id, model_fingerprint=self.info.fingerprint,
+                request_id=r.request_id, model_fingerprint=self.info.fingerprint, ended=r.ended,
             )
         timings = {**r.timings, "decide_s": time.perf_counter() - t0}
         r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings)
