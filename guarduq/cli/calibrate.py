@@ -19,6 +19,7 @@ from typing import Any
 
 from guarduq.calibration import DEFAULT_FEATURES, FEATURES, Calibrator, Evaluation
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.cli._help import with_example
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -32,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Score labelled datasets with MODEL (resumable cache), fit risk = P(wrong | "
         "scores) on the fit split, choose thresholds with a finite-sample guarantee on the "
         "threshold split, report metrics on the held-out test split.",
+        **with_example("guarduq calibrate --dataset triviaqa --data triviaqa_dev.jsonl --limit 200 "
+                       "--alpha 0.2 --out cal.json --report report/"),
     )
     c.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     _data_args(c)
@@ -46,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     c.set_defaults(func=_cmd_calibrate)
 
-    e = sub.add_parser("evaluate", help="score labelled data with a saved calibrator; check its guarantees")
+    e = sub.add_parser(
+        "evaluate", help="score labelled data with a saved calibrator; check its guarantees",
+        **with_example("guarduq evaluate --calibrator cal.json --dataset arc --data ARC-Easy-Dev.jsonl"),
+    )
     e.add_argument("--calibrator", type=Path, required=True)
     e.add_argument("--model", help="model spec (default: the model named in the calibrator)")
     _data_args(e)
@@ -57,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     e.set_defaults(func=_cmd_evaluate)
 
-    r = sub.add_parser("report", help="write report.html + PNGs from a calibrator artifact")
+    r = sub.add_parser("report", help="write report.html + PNGs from a calibrator artifact",
+                       **with_example("guarduq report cal.json --out report/"))
     r.add_argument("calibrator", type=Path)
     r.add_argument("--out", type=Path, required=True, help="output folder")
     r.set_defaults(func=_cmd_report)
