@@ -194,7 +194,7 @@ class Guard:
         progress: bool = False,
     ) -> list[Scores]:
         """Score many pairs; each needs its own backward pass (per-example gradients)."""
-        pairs = list(pairs)
+        pairs = _as_pairs(pairs)
         it = tqdm(pairs, desc="scoring", unit="resp", disable=not progress)
         return [self.score(p, r, ended=ended) for p, r in it]
 
@@ -206,6 +206,8 @@ class Guard:
         Used for multiple choice: the option with the highest p̄ is the model's answer.
         ``ended`` as in :meth:`score`: whether each option closes the turn.
         """
+        if isinstance(options, str | bytes) or not isinstance(options, Sequence):
+            raise InputError(f"options must be a list of strings, got {type(options).__name__}")
         if not options:
             raise InputError("options list is empty")
         out = []
@@ -306,6 +308,7 @@ class Guard:
 
     def _run_generate(self, ids: list[int], gen: dict[str, Any]) -> list[int]:
         """The new token ids ``model.generate`` appends to the prompt ``ids``."""
+        gen = _one_reply_within_context(gen, len(ids), layout.context_length(self.model))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
         with model_lock(self.model), torch.no_grad():
             was_training = self.model.training
@@ -314,8 +317,11 @@ class Guard:
                 out = self.model.generate(
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **gen
                 )
-            except (TypeError, ValueError) as exc:
-                raise InputError(f"invalid generation settings: {str(exc).splitlines()[0]}") from exc
+            except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+                # The caller's generation settings reach transformers unchecked; it rejects them.
+                raise InputError(f"invalid generation settings: {_first_line(exc)}") from exc
+            except RuntimeError as exc:
+                raise ScoringError(f"generation failed inside the model: {_first_line(exc)}") from exc
             finally:
                 self.model.train(was_training)
         return out[0, len(ids) :].tolist()
@@ -327,6 +333,39 @@ class Guard:
             new = new[:-1]
         text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text, ended
+
+
+def _as_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    """``(prompt, response)`` pairs from any iterable; anything else is an ``InputError``."""
+    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, Iterable):
+        raise InputError(f"pairs must be an iterable of (prompt, response), got {type(pairs).__name__}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InputError(f"pair {i} must be a (prompt, response) pair, got {type(pair).__name__}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int | None) -> dict[str, Any]:
+    """Generation settings that give one sequence and stop at the model's context window.
+
+    A huge ``max_new_tokens`` would otherwise run past the position embeddings (an index error
+    deep in torch, or hours of generation); the reply is cut at the context instead.
+    """
+    n = gen.get("max_new_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {n!r}")
+    if gen.get("return_dict_in_generate") or gen.get("num_return_sequences", 1) != 1:
+        raise InputError("a Guard scores one reply per call: return_dict_in_generate and "
+                         "num_return_sequences are not supported")
+    if context is not None and n_prompt + n > context:
+        gen = {**gen, "max_new_tokens": max(1, context - n_prompt)}
+    return gen
 
 
 def _check_stops(stop: Any) -> tuple[str, ...]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -12,6 +15,17 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+# Hypothesis profiles: "ci" (default, `make test`) and "fuzz" (`make fuzz`, HYPOTHESIS_PROFILE=fuzz).
+# No deadline: timing on shared CI cores is noise; hangs are caught by tests/unit/fuzz_support.alarm.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.register_profile("fuzz", parent=settings.get_profile("ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -101,3 +115,15 @@ def _isolated_cache(
     if request.node.get_closest_marker("integration"):
         return
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The number of generated fuzz inputs per boundary (tests/unit/test_fuzz_*.py)."""
+    from tests.unit.fuzz_support import COUNTS, PROFILE
+
+    if not COUNTS:
+        return
+    terminalreporter.write_sep("-", f"fuzz inputs per boundary (profile {PROFILE})")
+    for boundary, n in sorted(COUNTS.items()):
+        terminalreporter.write_line(f"{boundary:<32} {n:>8,}")
+    terminalreporter.write_line(f"{'total':<32} {sum(COUNTS.values()):>8,}")
