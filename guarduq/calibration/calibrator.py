@@ -66,26 +66,26 @@ MIN_FIT_ITEMS = 10
 
 
 class _ModelRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     name: str | None
     fingerprint: str | None
 
 
 class _Scaler(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     mean: list[float]
     scale: list[float]
 
 
 class _Logistic(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     coef: list[float]
     intercept: float
     C: float
 
 
 class _ThresholdModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     alpha: float
     delta: float
     threshold: float | None
@@ -106,7 +106,7 @@ class _DatasetRef(BaseModel):
 
 
 class _Artifact(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     format: Literal["guarduq-calibrator"]
     format_version: Literal[1]
     guarduq_version: str
@@ -439,7 +439,7 @@ class Calibrator:
                     self.thresholds_,
                     model={"name": self.model_name, "fingerprint": self.model_fingerprint},
                 )
-            except (KeyError, ValueError, TypeError) as exc:
+            except (KeyError, ValueError, TypeError, OverflowError) as exc:
                 raise ArtifactError(f"{path}: corrupt evaluation_data: {exc}") from exc
         return self
 

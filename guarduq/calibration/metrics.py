@@ -234,9 +234,13 @@ class Evaluation:
     def from_data_dict(
         cls, data: Mapping[str, Sequence[Any]], thresholds: Sequence[Threshold], **kw: Any
     ) -> Evaluation:
+        labels = np.asarray(data["label"], int)
+        signals = {k: np.asarray(data[k], float) for k in EVAL_FIELDS}
+        if any(a.ndim != 1 or len(a) != len(labels) for a in (labels, *signals.values())):
+            raise ValueError("per-item arrays must be flat lists of one length")
         return cls.from_arrays(
-            np.asarray(data["label"], int),
-            {k: np.asarray(data[k], float) for k in EVAL_FIELDS},
+            labels,
+            signals,
             data.get("dataset"),
             thresholds,
             **kw,
