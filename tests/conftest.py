@@ -119,7 +119,7 @@ def _isolated_cache(
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The number of generated fuzz inputs per boundary (tests/unit/test_fuzz_*.py)."""
-    from tests.unit.fuzz_support import COUNTS, PROFILE
+    from tests.unit.fuzz_support import COUNTS, OUTCOMES, PROFILE
 
     if not COUNTS:
         return
@@ -127,3 +127,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for boundary, n in sorted(COUNTS.items()):
         terminalreporter.write_line(f"{boundary:<32} {n:>8,}")
     terminalreporter.write_line(f"{'total':<32} {sum(COUNTS.values()):>8,}")
+    if os.environ.get("FUZZ_OUTCOMES"):  # how each boundary's inputs ended (ok / which error)
+        for outcome, n in sorted(OUTCOMES.items()):
+            terminalreporter.write_line(f"  {outcome:<60} {n:>8,}")

@@ -135,6 +135,16 @@ def _score_all(
     return guard, datasets, records
 
 
+def _check_outputs(args: argparse.Namespace, *outputs: Path | None) -> None:
+    """Unwritable outputs or cache (read-only folder, full disk) fail before the model loads."""
+    from guarduq._storage import check_writable
+
+    for out in outputs:
+        if out is not None:
+            check_writable(out, "output file")
+    check_writable(args.cache or args.runs_dir / "cache" / ".write-check", "scoring cache")
+
+
 def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
     return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
@@ -212,6 +222,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise InputError(f"--alpha must be in (0, 1), got {a}")
     if not 0 < args.delta < 1:
         raise InputError(f"--delta must be in (0, 1), got {args.delta}")
+    _check_outputs(args, args.out)
     guard, datasets, records = _score_all(args, args.model)
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
@@ -266,6 +277,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
+    _check_outputs(args)
     spec = args.model or cal.model_name
     if not spec:
         raise InputError("the calibrator names no model; pass --model")

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from guarduq.errors import GuardUQError
 
 COUNTS: Counter[str] = Counter()
+OUTCOMES: Counter[str] = Counter()  # how inputs ended, per boundary ("cli.main: rc=0", ...)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 FUZZ_SCALE = int(os.environ.get("FUZZ_SCALE", "20"))
 
@@ -56,10 +57,13 @@ def clean(boundary: str, fn: Callable[..., Any], *args: Any, seconds: int = 60, 
     COUNTS[boundary] += 1
     with alarm(seconds):
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except GuardUQError as exc:
             assert str(exc).strip(), f"{type(exc).__name__} raised with an empty message"
+            OUTCOMES[f"{boundary}: {type(exc).__name__}"] += 1
             return exc
+    OUTCOMES[f"{boundary}: ok"] += 1
+    return out
 
 
 # ---------------------------------------------------------------- strategies
