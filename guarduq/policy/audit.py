@@ -25,16 +25,20 @@ from guarduq.errors import GuardUQError, StorageError
 PromptLike = str | Sequence[Mapping[str, str]]
 
 
-def _text_of(value: PromptLike | None) -> str | None:
-    """A prompt (string or chat messages) as one canonical string, for hashing."""
+def _text_of(value: PromptLike | None) -> tuple[str | None, Any]:
+    """A prompt (string or chat messages) as one canonical string for hashing, and as logged."""
     if value is None or isinstance(value, str):
-        return value
-    return json.dumps([dict(m) for m in value], ensure_ascii=False, sort_keys=True)
+        return value, value
+    try:
+        messages = [dict(m) for m in value]
+        return json.dumps(messages, ensure_ascii=False, sort_keys=True, default=repr), messages
+    except (TypeError, ValueError):  # not chat messages: record what it is, never fail the call
+        return repr(value), repr(value)
 
 
 def text_fields(name: str, value: PromptLike | None, *, log_text: bool) -> dict[str, Any]:
     """``{name}_sha256`` and ``{name}_chars``, plus ``name`` itself only when ``log_text``."""
-    text = _text_of(value)
+    text, logged = _text_of(value)
     if text is None:
         return {f"{name}_sha256": None, f"{name}_chars": None}
     out: dict[str, Any] = {
@@ -42,7 +46,7 @@ def text_fields(name: str, value: PromptLike | None, *, log_text: bool) -> dict[
         f"{name}_chars": len(text),
     }
     if log_text:
-        out[name] = value if isinstance(value, str) else [dict(m) for m in value]
+        out[name] = logged
     return out
 
 
@@ -92,10 +96,10 @@ class AuditLog:
     def __init__(
         self, path: str | os.PathLike[str], max_bytes: int = 10_000_000, backups: int = 5
     ) -> None:
-        if max_bytes <= 0:
-            raise GuardUQError(f"audit max_bytes must be positive, got {max_bytes}")
-        if backups < 0:
-            raise GuardUQError(f"audit backups must be >= 0, got {backups}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise GuardUQError(f"audit max_bytes must be a positive integer, got {max_bytes!r}")
+        if isinstance(backups, bool) or not isinstance(backups, int) or backups < 0:
+            raise GuardUQError(f"audit backups must be an integer >= 0, got {backups!r}")
         # An unwritable path (read-only folder, full disk, a directory) fails here, at start,
         # not in the middle of a request.
         self.path = check_writable(path, "audit log")
