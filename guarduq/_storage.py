@@ -17,8 +17,11 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
     A file that did not exist is removed again, so a check leaves nothing behind.
     """
     path = Path(path)
-    if "\x00" in str(path):
-        raise StorageError(f"cannot write {what} {path!r}: the path contains a NUL character")
+    try:
+        if b"\x00" in os.fsencode(path):
+            raise ValueError("the path contains a NUL character")
+    except ValueError as exc:  # also UnicodeEncodeError: a lone surrogate has no file-system name
+        raise StorageError(f"cannot write {what} {str(path)!r}: {exc}") from None
     try:
         if path.is_dir():
             raise StorageError(f"cannot write {what} {path}: it is a directory")

@@ -373,6 +373,8 @@ class Calibrator:
             raise ArtifactError(f"calibrator file not found: {path}") from None
         except OSError as exc:
             raise ArtifactError(f"cannot read calibrator {path}: {exc}") from exc
+        except ValueError as exc:  # a NUL or a lone surrogate in the path
+            raise ArtifactError(f"cannot read calibrator {str(path)!r}: {exc}") from exc
         try:
             doc = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -42,7 +42,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # also undecodable text, a NUL in the path
             print(f"{path}: cannot read: {exc}", file=sys.stderr)
             status = 2
             continue

@@ -192,6 +192,8 @@ class Policy:
             raw = path.read_bytes()
         except OSError as exc:
             raise PolicyError(f"cannot read policy file {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # a NUL or a lone surrogate in the path
+            raise PolicyError(f"cannot read policy file {str(path)!r}: {exc}") from exc
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

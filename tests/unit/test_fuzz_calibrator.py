@@ -133,3 +133,9 @@ def test_truncated_and_corrupted_bytes(cut: float, flip: list[tuple[float, int]]
 @given(doc=json_values)
 def test_random_json_documents(doc: Any) -> None:
     _check(json.dumps(doc, allow_nan=True).encode(), None, False, {})
+
+
+@examples(100)
+@given(name=texts)
+def test_any_path(name: str) -> None:
+    clean("calibrator.load", Calibrator.load, artifact()[0] / "odd" / name)

@@ -181,3 +181,9 @@ def test_shipped_policies_decide_any_signals(which: Path, signals: dict[str, Any
 def test_shipped_policies_load_unchanged() -> None:
     for path in SHIPPED:
         assert isinstance(_load(path.read_bytes()), Policy), path
+
+
+@examples(100)
+@given(name=texts)
+def test_any_path(name: str) -> None:
+    clean("policy.from_yaml", Policy.from_yaml, workdir() / "odd" / name)
