@@ -50,7 +50,7 @@ def validate_prompt(prompt: Any) -> PromptLike:
         for i, m in enumerate(prompt):
             if not isinstance(m, Mapping) or set(m) - {"role", "content"} or "content" not in m:
                 raise InputError(f"message {i} must be a mapping with 'role' and 'content'")
-            if m.get("role") not in _ROLES:
+            if not isinstance(m.get("role"), str) or m["role"] not in _ROLES:
                 raise InputError(f"message {i} has unknown role {m.get('role')!r}")
             if not isinstance(m["content"], str):
                 raise InputError(f"message {i} content must be a string")

@@ -110,6 +110,9 @@ messages = st.one_of(
 )
 prompts = st.one_of(
     texts,
+    texts,
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user"]), "content": texts}), min_size=1,
+             max_size=3),
     st.lists(messages, max_size=4),
     st.lists(st.lists(messages, max_size=2), max_size=2),  # nested lists
     junk,
