@@ -44,7 +44,7 @@ def _whole_lines(path: Path) -> int:
 records = st.dictionaries(st.one_of(texts, st.integers(), st.none()), st.one_of(junk, json_values), max_size=5)
 
 
-@examples(700)
+@examples(1000)
 @given(record=st.one_of(records, junk))
 def test_audit_append_any_record(record: Any) -> None:
     audit = log()
@@ -88,7 +88,7 @@ sink_configs = st.one_of(
 )
 
 
-@examples(500)
+@examples(700)
 @given(config=sink_configs, allow=st.lists(texts, max_size=2))
 def test_make_sink_any_config(config: Any, allow: list[str]) -> None:
     clean("escalation.make_sink", make_sink, config, base_dir=workdir() / "sinks", allow_callables=allow)
