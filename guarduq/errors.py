@@ -70,3 +70,8 @@ class GuardUQAbstention(GuardUQError):
     def __init__(self, message: str, decision: object | None = None) -> None:
         super().__init__(message)
         self.decision = decision
+
+
+class StorageError(GuardUQError, OSError):
+    """A file guarduq must write (cache, audit log, artifact) cannot be written: a read-only
+    folder, a full disk, a path that is a directory."""

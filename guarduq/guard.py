@@ -268,7 +268,7 @@ class Guard:
     ) -> list[Scores]:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
         rounding; see ``guarduq.scoring.batched``). ``ended``: one flag for all, or one per pair."""
-        pairs = list(pairs)
+        pairs = _as_pairs(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):
             raise InputError(f"ended has {len(flags)} flags for {len(pairs)} pairs")
@@ -300,6 +300,8 @@ class Guard:
         Used for multiple choice: the option with the highest p̄ is the model's answer.
         ``ended`` as in :meth:`score`: whether each option closes the turn.
         """
+        if isinstance(options, str | bytes) or not isinstance(options, Sequence):
+            raise InputError(f"options must be a list of strings, got {type(options).__name__}")
         if not options:
             raise InputError("options list is empty")
         prompt_ids = layout.prompt_ids(self.tokenizer, prompt)
@@ -394,7 +396,7 @@ class Guard:
         elif self.policy is not None:
             decision = self.policy.decide(
                 make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
-                request_id=r.request_id, model_fingerprint=self.info.fingerprint,
+                request_id=r.request_id, model_fingerprint=self.info.fingerprint, ended=r.ended,
             )
         timings = {**r.timings, "decide_s": time.perf_counter() - t0}
         r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings)
@@ -440,12 +442,14 @@ class Guard:
         for ids in rows:
             layout.check_fits(self.model, len(ids) + 1)
         input_ids, mask = batching.left_pad(rows, self._pad_id, self._device)
+        gen = _one_reply_within_context(gen, int(input_ids.shape[1]), layout.context_length(self.model))
         gen, recorder = batching.recorder_settings(gen, int(input_ids.shape[1]))
         out = self._model_generate(input_ids, mask, gen)
         return recorder.rows(out[:, input_ids.shape[1] :])
 
     def _run_generate(self, ids: list[int], gen: dict[str, Any]) -> list[int]:
         """The new token ids ``model.generate`` appends to the prompt ``ids`` (one row: ``stream``)."""
+        gen = _one_reply_within_context(gen, len(ids), layout.context_length(self.model))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
         return self._model_generate(input_ids, torch.ones_like(input_ids), gen)[0, len(ids) :].tolist()
 
@@ -455,8 +459,11 @@ class Guard:
             self.model.eval()
             try:
                 return self.model.generate(input_ids=input_ids, attention_mask=mask, **gen)
-            except (TypeError, ValueError) as exc:
-                raise InputError(f"invalid generation settings: {str(exc).splitlines()[0]}") from exc
+            except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+                # The caller's generation settings reach transformers unchecked; it rejects them.
+                raise InputError(f"invalid generation settings: {_first_line(exc)}") from exc
+            except RuntimeError as exc:
+                raise ScoringError(f"generation failed inside the model: {_first_line(exc)}") from exc
             finally:
                 self.model.train(was_training)
 
@@ -467,6 +474,39 @@ class Guard:
             new = new[:-1]
         text = self.tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text, ended
+
+
+def _as_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    """``(prompt, response)`` pairs from any iterable; anything else is an ``InputError``."""
+    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, Iterable):
+        raise InputError(f"pairs must be an iterable of (prompt, response), got {type(pairs).__name__}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InputError(f"pair {i} must be a (prompt, response) pair, got {type(pair).__name__}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int | None) -> dict[str, Any]:
+    """Generation settings that give one sequence and stop at the model's context window.
+
+    A huge ``max_new_tokens`` would otherwise run past the position embeddings (an index error
+    deep in torch, or hours of generation); the reply is cut at the context instead.
+    """
+    n = gen.get("max_new_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InputError(f"max_new_tokens must be a positive integer, got {n!r}")
+    if gen.get("return_dict_in_generate") or gen.get("num_return_sequences", 1) != 1:
+        raise InputError("a Guard scores one reply per call: return_dict_in_generate and "
+                         "num_return_sequences are not supported")
+    if context is not None and n_prompt + n > context:
+        gen = {**gen, "max_new_tokens": max(1, context - n_prompt)}
+    return gen
 
 
 def _check_stops(stop: Any) -> tuple[str, ...]:

@@ -43,17 +43,18 @@ def validate_prompt(prompt: Any) -> PromptLike:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise InputError("prompt is empty or whitespace")
-        return prompt
+        return _encodable(prompt, "prompt")
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
         if not prompt:
             raise InputError("chat messages list is empty")
         for i, m in enumerate(prompt):
             if not isinstance(m, Mapping) or set(m) - {"role", "content"} or "content" not in m:
                 raise InputError(f"message {i} must be a mapping with 'role' and 'content'")
-            if m.get("role") not in _ROLES:
+            if not isinstance(m.get("role"), str) or m["role"] not in _ROLES:
                 raise InputError(f"message {i} has unknown role {m.get('role')!r}")
             if not isinstance(m["content"], str):
                 raise InputError(f"message {i} content must be a string")
+            _encodable(m["content"], f"message {i} content")
         if not any(str(m["content"]).strip() for m in prompt):
             raise InputError("chat messages have no content")
         return prompt
@@ -65,7 +66,16 @@ def validate_response(response: Any) -> str:
         raise InputError(f"response must be a string, got {type(response).__name__}")
     if not response.strip():
         raise InputError("response is empty or whitespace")
-    return response
+    return _encodable(response, "response")
+
+
+def _encodable(text: str, what: str) -> str:
+    """Refuse text that has no UTF-8 form (a lone surrogate, e.g. from a broken JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} is not valid Unicode: lone surrogate at character {exc.start}") from None
+    return text
 
 
 def has_chat_template(tokenizer: Any) -> bool:

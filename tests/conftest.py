@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     GPT2Config,
@@ -12,6 +15,18 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+# Hypothesis profiles: "ci" (default, `make test`) and "fuzz" (`make fuzz`, HYPOTHESIS_PROFILE=fuzz).
+# No deadline: timing on shared CI cores is noise; hangs are caught by tests/unit/fuzz_support.alarm.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                           HealthCheck.function_scoped_fixture],
+)
+settings.register_profile("fuzz", parent=settings.get_profile("ci"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -108,17 +123,16 @@ def _isolated_cache(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
 
 
-try:  # property-test budgets: a quick default, `HYPOTHESIS_PROFILE=fuzz` for a long run
-    from hypothesis import HealthCheck
-    from hypothesis import settings as _hypothesis_settings
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The number of generated fuzz inputs per boundary (tests/unit/test_fuzz_*.py)."""
+    from tests.unit.fuzz_support import COUNTS, OUTCOMES, PROFILE
 
-    _quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
-    _hypothesis_settings.register_profile("fast", max_examples=2000, deadline=None,
-                                          suppress_health_check=_quiet)
-    _hypothesis_settings.register_profile("fuzz", max_examples=20000, deadline=None,
-                                          suppress_health_check=_quiet)
-    import os as _os
-
-    _hypothesis_settings.load_profile(_os.environ.get("HYPOTHESIS_PROFILE", "fast"))
-except ImportError:
-    pass
+    if not COUNTS:
+        return
+    terminalreporter.write_sep("-", f"fuzz inputs per boundary (profile {PROFILE})")
+    for boundary, n in sorted(COUNTS.items()):
+        terminalreporter.write_line(f"{boundary:<32} {n:>8,}")
+    terminalreporter.write_line(f"{'total':<32} {sum(COUNTS.values()):>8,}")
+    if os.environ.get("FUZZ_OUTCOMES"):  # how each boundary's inputs ended (ok / which error)
+        for outcome, n in sorted(OUTCOMES.items()):
+            terminalreporter.write_line(f"  {outcome:<60} {n:>8,}")

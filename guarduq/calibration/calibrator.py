@@ -78,13 +78,13 @@ CV_SCORING = "neg_log_loss"
 
 
 class _ModelRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     name: str | None
     fingerprint: str | None
 
 
 class _Scaler(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     mean: list[float]
     scale: list[float]
 
@@ -98,7 +98,7 @@ class _CV(BaseModel):
 
 
 class _Logistic(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     coef: list[float]
     intercept: float
     C: float
@@ -106,7 +106,7 @@ class _Logistic(BaseModel):
 
 
 class _ThresholdModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     alpha: float
     delta: float
     threshold: float | None
@@ -127,7 +127,7 @@ class _DatasetRef(BaseModel):
 
 
 class _Artifact(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     format: Literal["guarduq-calibrator"]
     format_version: Literal[1, 2]
     guarduq_version: str
@@ -447,6 +447,8 @@ class Calibrator:
             raise ArtifactError(f"calibrator file not found: {path}") from None
         except OSError as exc:
             raise ArtifactError(f"cannot read calibrator {path}: {exc}") from exc
+        except ValueError as exc:  # a NUL or a lone surrogate in the path
+            raise ArtifactError(f"cannot read calibrator {str(path)!r}: {exc}") from exc
         try:
             doc = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -517,7 +519,7 @@ class Calibrator:
                     self.thresholds_,
                     model={"name": self.model_name, "fingerprint": self.model_fingerprint},
                 )
-            except (KeyError, ValueError, TypeError) as exc:
+            except (KeyError, ValueError, TypeError, OverflowError) as exc:
                 raise ArtifactError(f"{path}: corrupt evaluation_data: {exc}") from exc
         return self
 

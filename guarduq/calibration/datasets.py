@@ -219,6 +219,14 @@ def _require(row: dict[str, Any], key: str, kind: type | tuple[type, ...] = str)
     return value
 
 
+def _check_unicode(row: dict[str, Any]) -> None:
+    """Refuse a row whose text has no UTF-8 form (a lone surrogate from a JSON escape)."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise _RowError("text is not valid Unicode (a lone surrogate such as \\ud800)") from None
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -279,6 +287,7 @@ class Dataset:
             try:
                 if not isinstance(row, dict):
                     raise _RowError(f"expected an object, got {type(row).__name__}")
+                _check_unicode(row)
                 item = self._item(row)
                 if item.id in seen:
                     raise _RowError(f"duplicate id {item.id!r}")
@@ -323,6 +332,8 @@ class Dataset:
                         yield lineno, json.loads(line)
                     except json.JSONDecodeError as exc:
                         self._bad(lineno, f"malformed JSON ({exc.msg} at column {exc.colno})")
+                    except RecursionError:
+                        self._bad(lineno, "malformed JSON (nested too deeply)")
         except UnicodeDecodeError as exc:
             raise DatasetError(f"{self.path}: not UTF-8 text ({exc.reason})") from exc
 

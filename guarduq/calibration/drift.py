@@ -31,11 +31,11 @@ import numpy as np
 
 from guarduq._logging import get_logger
 from guarduq.calibration.features import FEATURE_SETS, FEATURES
-
-HEADLINE_FEATURES = FEATURE_SETS["paper"]  # always watched: log_epistemic, aleatoric
 from guarduq.errors import CalibrationError
 
 log = get_logger("drift")
+
+HEADLINE_FEATURES = FEATURE_SETS["paper"]  # always watched: log_epistemic, aleatoric
 
 PSI_WATCH = 0.1
 PSI_ALARM = 0.25

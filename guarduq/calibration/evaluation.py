@@ -32,8 +32,9 @@ from tqdm.auto import tqdm
 
 from guarduq import batching
 from guarduq._logging import get_logger
+from guarduq._storage import append_line, check_writable
 from guarduq.calibration.datasets import Item, label_choice, label_response
-from guarduq.errors import CacheCorruptError, InputError, ScoringError
+from guarduq.errors import CacheCorruptError, InputError, ScoringError, StorageError
 
 log = get_logger("evaluation")
 
@@ -96,12 +97,17 @@ class ScoreCache:
         self.path = Path(path)
         self.read_only = read_only  # a reader beside a live writer: never repair, never append
         self.entries: dict[tuple[str, str, str], ScoredItem] = {}
+        if not read_only:  # a read-only folder or a full disk fails here, not after an hour of scoring
+            check_writable(self.path, "scoring cache")
         self._load()
 
     def _load(self) -> None:
         if not self.path.exists():
             return
-        raw = self.path.read_bytes()
+        try:
+            raw = self.path.read_bytes()
+        except OSError as exc:
+            raise StorageError(f"cannot read scoring cache {self.path}: {exc.strerror or exc}") from exc
         *complete, tail = raw.split(b"\n")  # `tail` is whatever follows the last newline
         for lineno, line in enumerate(complete, start=1):
             if not line.strip():
@@ -139,12 +145,9 @@ class ScoreCache:
     def append(self, rec: ScoredItem) -> None:
         if self.read_only:
             raise RuntimeError(f"{self.path} was opened read-only")
-        line = json.dumps(asdict(rec), ensure_ascii=False, allow_nan=True) + "\n"
+        line = json.dumps(asdict(rec), ensure_ascii=True, allow_nan=True) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, line.encode(), "scoring cache")
         self.entries[rec.key] = rec
 
 

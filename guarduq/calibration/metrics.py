@@ -234,10 +234,17 @@ class Evaluation:
     def from_data_dict(
         cls, data: Mapping[str, Sequence[Any]], thresholds: Sequence[Threshold], **kw: Any
     ) -> Evaluation:
+        labels = np.asarray(data["label"], int)
+        signals = {k: np.asarray(data[k], float) for k in EVAL_FIELDS}
+        datasets = data.get("dataset")
+        if datasets is not None and (len(datasets) != len(labels) or not all(isinstance(d, str) for d in datasets)):
+            raise ValueError("'dataset' must list one name per item")
+        if any(a.ndim != 1 or len(a) != len(labels) for a in (labels, *signals.values())):
+            raise ValueError("per-item arrays must be flat lists of one length")
         return cls.from_arrays(
-            np.asarray(data["label"], int),
-            {k: np.asarray(data[k], float) for k in EVAL_FIELDS},
-            data.get("dataset"),
+            labels,
+            signals,
+            datasets,
             thresholds,
             **kw,
         )

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from guarduq._logging import configure_cli_logging
+from guarduq.cli._help import with_example
 from guarduq.errors import GuardUQError
 
 # Modules that define ``register(subparsers)``; each sets ``func`` on its parsers.
@@ -27,7 +28,9 @@ _COMMAND_MODULES = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="guarduq", description="Per-response uncertainty guardrails for local LLMs."
+        prog="guarduq", description="Per-response uncertainty guardrails for local LLMs.",
+        **with_example("guarduq demo --policy policies/default.yaml",
+                       "guarduq score --prompt 'Capital of France?' --response Paris"),
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v, -vv)")
     sub = parser.add_subparsers(dest="command", required=True)

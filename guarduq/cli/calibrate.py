@@ -25,6 +25,7 @@ from guarduq.calibration import (
     Evaluation,
 )
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -39,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Score labelled datasets with MODEL (resumable cache), fit risk = P(wrong | "
         "scores) on the fit split, choose thresholds with a finite-sample guarantee on the "
         "threshold split, report metrics on the held-out test split.",
+        **with_example("guarduq calibrate --dataset triviaqa --data triviaqa_dev.jsonl --limit 200 "
+                       "--alpha 0.2 --out cal.json --report report/"),
     )
     c.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     _data_args(c)
@@ -57,7 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     c.set_defaults(func=_cmd_calibrate)
 
-    e = sub.add_parser("evaluate", help="score labelled data with a saved calibrator; check its guarantees")
+    e = sub.add_parser(
+        "evaluate", help="score labelled data with a saved calibrator; check its guarantees",
+        **with_example("guarduq evaluate --calibrator cal.json --dataset arc --data ARC-Easy-Dev.jsonl"),
+    )
     e.add_argument("--calibrator", type=Path, required=True)
     e.add_argument("--model", help="model spec (default: the model named in the calibrator)")
     _data_args(e)
@@ -68,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     e.set_defaults(func=_cmd_evaluate)
 
-    r = sub.add_parser("report", help="write report.html + PNGs from a calibrator artifact")
+    r = sub.add_parser("report", help="write report.html + PNGs from a calibrator artifact",
+                       **with_example("guarduq report cal.json --out report/"))
     r.add_argument("calibrator", type=Path)
     r.add_argument("--out", type=Path, required=True, help="output folder")
     r.set_defaults(func=_cmd_report)
@@ -152,6 +159,16 @@ def _score_all(
     return guard, datasets, records
 
 
+def _check_outputs(args: argparse.Namespace, *outputs: Path | None) -> None:
+    """Unwritable outputs or cache (read-only folder, full disk) fail before the model loads."""
+    from guarduq._storage import check_writable
+
+    for out in outputs:
+        if out is not None:
+            check_writable(out, "output file")
+    check_writable(args.cache or args.runs_dir / "cache" / ".write-check", "scoring cache")
+
+
 def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
     return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
@@ -230,6 +247,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise InputError(f"--alpha must be in (0, 1), got {a}")
     if not 0 < args.delta < 1:
         raise InputError(f"--delta must be in (0, 1), got {args.delta}")
+    _check_outputs(args, args.out)
     guard, datasets, records = _score_all(args, args.model, p_true="p_true" in cal.features)
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
@@ -332,6 +350,7 @@ def _coef_text(cal: Calibrator) -> str:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
+    _check_outputs(args)
     spec = args.model or cal.model_name
     if not spec:
         raise InputError("the calibrator names no model; pass --model")

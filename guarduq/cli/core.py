@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tqdm.auto import tqdm
 
+from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
 from guarduq.errors import DatasetError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -48,17 +49,23 @@ class ScoreRequest(BaseModel):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("score", help="score a response produced elsewhere (teacher forcing)")
+    p = sub.add_parser(
+        "score", help="score a response produced elsewhere (teacher forcing)",
+        **with_example("guarduq score --prompt 'Capital of France?' --response Paris",
+                       "guarduq score --input pairs.jsonl > scores.jsonl",
+                       "cat pairs.jsonl | guarduq score --input -"),
+    )
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     p.add_argument("--prompt")
     p.add_argument("--response")
     p.add_argument("--not-ended", action="store_true", help="the reply was cut, not ended")
-    p.add_argument("--input", type=Path, help="JSONL with prompt, response[, id, ended]")
+    p.add_argument("--input", type=Path, help="JSONL with prompt, response[, id, ended]; - reads stdin")
     p.add_argument("--json", action="store_true", help="print JSON (always JSON with --input)")
     run_args(p)
     p.set_defaults(func=_cmd_score)
 
-    g = sub.add_parser("generate", help="generate a reply and score it")
+    g = sub.add_parser("generate", help="generate a reply and score it",
+                       **with_example("guarduq generate --prompt 'Capital of France?' --json"))
     g.add_argument("--model", default=DEFAULT_MODEL)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -67,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16")
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores")
+    d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores",
+                       **with_example("guarduq demo --policy policies/default.yaml"))
     d.add_argument("--model", default=DEFAULT_MODEL)
     d.add_argument("--max-new-tokens", type=int, default=40)
     d.add_argument("--policy", type=Path, help="apply a YAML policy (e.g. policies/default.yaml)")
@@ -124,21 +132,31 @@ def _score_requests(guard: Any, requests: list[ScoreRequest], args: argparse.Nam
 
 
 def _read_requests(path: Path) -> list[ScoreRequest]:
+    """Every request of a JSONL file, or of standard input when ``path`` is ``-``."""
+    if str(path) == "-":
+        return _parse_requests(sys.stdin, "<stdin>")
     if not path.is_file():
         raise DatasetError(f"input file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _parse_requests(f, str(path))
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
+def _parse_requests(lines: Iterable[str], where_from: str) -> list[ScoreRequest]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(ScoreRequest.model_validate_json(line))
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(x) for x in first["loc"]) or "line"
-                raise DatasetError(f"{path}:{lineno}: {where}: {first['msg']}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(ScoreRequest.model_validate_json(line))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "line"
+            raise DatasetError(f"{where_from}:{lineno}: {where}: {first['msg']}") from None
     if not out:
-        raise DatasetError(f"input file {path} has no requests")
+        raise DatasetError(f"input {where_from} has no requests")
     return out
 
 

@@ -8,18 +8,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from guarduq.cli._help import with_example
 from guarduq.policy import Policy, validate_policy_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policy", help="validate a policy file or explain its decision on a prompt")
+    p = sub.add_parser("policy", help="validate a policy file or explain its decision on a prompt",
+                       **with_example("guarduq policy check policies/default.yaml"))
     psub = p.add_subparsers(dest="policy_command", required=True)
 
-    c = psub.add_parser("check", help="validate policy files (exit 2 on the first invalid one)")
+    c = psub.add_parser("check", help="validate policy files (exit 2 on the first invalid one)",
+                        **with_example("guarduq policy check policies/*.yaml"))
     c.add_argument("files", nargs="+", type=Path, metavar="FILE")
     c.set_defaults(func=_cmd_check)
 
-    e = psub.add_parser("explain", help="run a prompt through the guard and show the decision")
+    e = psub.add_parser(
+        "explain", help="run a prompt through the guard and show the decision",
+        **with_example("guarduq policy explain policies/default.yaml --prompt 'Capital of Peru?' "
+                       "--response Cusco"),
+    )
     e.add_argument("file", type=Path, metavar="FILE")
     e.add_argument("--prompt", required=True)
     e.add_argument("--response", help="score this response instead of generating one")
@@ -35,7 +42,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # also undecodable text, a NUL in the path
             print(f"{path}: cannot read: {exc}", file=sys.stderr)
             status = 2
             continue

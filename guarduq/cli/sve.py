@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.calibration.datasets import DATASETS, Item, load_dataset
+from guarduq.cli._help import with_example
 from guarduq.errors import DatasetError
 from guarduq.layout import PromptLike
 from guarduq.models import DEFAULT_MODEL, load_model
@@ -73,7 +74,8 @@ def answer_pairs(items: list[Item]) -> list[tuple[PromptLike, str]]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sve", help="Singular Value Ensemble: train members for a second opinion")
+    p = sub.add_parser("sve", help="Singular Value Ensemble: train members for a second opinion",
+                       **with_example("guarduq sve train --dataset sst2 --data sst2.tsv --out sve.safetensors"))
     sve_sub = p.add_subparsers(dest="sve_command", required=True)
     t = sve_sub.add_parser(
         "train",
@@ -81,6 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Build an M-member Singular Value Ensemble over MODEL, train the members' "
         "singular values and biases (AdamW, per-member shuffles), and save them bound to the "
         "model's fingerprint. Re-running with the same --checkpoint resumes.",
+        **with_example("guarduq sve train --dataset sst2 --data sst2.tsv --members 4 --steps 200 "
+                       "--checkpoint sve.ckpt --out sve.safetensors"),
     )
     t.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     t.add_argument("--dataset", required=True, choices=["sst2", *sorted(DATASETS)],

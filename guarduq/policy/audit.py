@@ -19,29 +19,34 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from guarduq.errors import GuardUQError
+from guarduq._storage import append_line, check_writable
+from guarduq.errors import GuardUQError, StorageError
 
 PromptLike = str | Sequence[Mapping[str, str]]
 
 
-def _text_of(value: PromptLike | None) -> str | None:
-    """A prompt (string or chat messages) as one canonical string, for hashing."""
+def _text_of(value: PromptLike | None) -> tuple[str | None, Any]:
+    """A prompt (string or chat messages) as one canonical string for hashing, and as logged."""
     if value is None or isinstance(value, str):
-        return value
-    return json.dumps([dict(m) for m in value], ensure_ascii=False, sort_keys=True)
+        return value, value
+    try:
+        messages = [dict(m) for m in value]
+        return json.dumps(messages, ensure_ascii=False, sort_keys=True, default=repr), messages
+    except (TypeError, ValueError):  # not chat messages: record what it is, never fail the call
+        return repr(value), repr(value)
 
 
 def text_fields(name: str, value: PromptLike | None, *, log_text: bool) -> dict[str, Any]:
     """``{name}_sha256`` and ``{name}_chars``, plus ``name`` itself only when ``log_text``."""
-    text = _text_of(value)
+    text, logged = _text_of(value)
     if text is None:
         return {f"{name}_sha256": None, f"{name}_chars": None}
     out: dict[str, Any] = {
-        f"{name}_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        f"{name}_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
         f"{name}_chars": len(text),
     }
     if log_text:
-        out[name] = value if isinstance(value, str) else [dict(m) for m in value]
+        out[name] = logged
     return out
 
 
@@ -91,11 +96,13 @@ class AuditLog:
     def __init__(
         self, path: str | os.PathLike[str], max_bytes: int = 10_000_000, backups: int = 5
     ) -> None:
-        if max_bytes <= 0:
-            raise GuardUQError(f"audit max_bytes must be positive, got {max_bytes}")
-        if backups < 0:
-            raise GuardUQError(f"audit backups must be >= 0, got {backups}")
-        self.path = Path(path)
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise GuardUQError(f"audit max_bytes must be a positive integer, got {max_bytes!r}")
+        if isinstance(backups, bool) or not isinstance(backups, int) or backups < 0:
+            raise GuardUQError(f"audit backups must be an integer >= 0, got {backups!r}")
+        # An unwritable path (read-only folder, full disk, a directory) fails here, at start,
+        # not in the middle of a request.
+        self.path = check_writable(path, "audit log")
         self.max_bytes = int(max_bytes)
         self.backups = int(backups)
         self._lock = threading.Lock()
@@ -104,14 +111,14 @@ class AuditLog:
         """Write one record as one line; it is on disk when this returns."""
         try:
             line = json_line(record)
-        except TypeError as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise GuardUQError(f"audit record is not JSON-serialisable: {exc}") from exc
         with self._lock:
             try:
                 self._rotate_if_needed(len(line))
-                append_durably(self.path, line)
             except OSError as exc:
-                raise GuardUQError(f"cannot write audit log {self.path}: {exc}") from exc
+                raise StorageError(f"cannot rotate audit log {self.path}: {exc.strerror or exc}") from exc
+            append_line(self.path, line, "audit log")
 
     def _rotate_if_needed(self, incoming: int) -> None:
         try:
@@ -138,20 +145,25 @@ class AuditLog:
 
 
 def append_durably(path: Path, line: bytes) -> None:
-    """Append ``line`` and fsync: on disk when this returns (callers hold their own lock)."""
+    """Append ``line`` and fsync: on disk when this returns (callers hold their own lock).
+
+    A failed write is cut back (no torn line) and raised as ``StorageError`` (an ``OSError``).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as fh:
-        fh.write(line)
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_line(path, line, "file")
 
 
 def json_line(record: Mapping[str, Any]) -> bytes:
     """One strict JSON line (NaN/inf become null: JSON has no spelling for them).
 
-    Raises ``TypeError`` for values JSON cannot hold.
+    Raises ``TypeError`` for values JSON cannot hold. Text without a UTF-8 form (a lone
+    surrogate) is written with ``\\u`` escapes instead of failing.
     """
-    return (json.dumps(_finite(record), ensure_ascii=False, sort_keys=True, allow_nan=False) + "\n").encode()
+    text = json.dumps(_finite(record), ensure_ascii=False, sort_keys=True, allow_nan=False) + "\n"
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return (json.dumps(_finite(record), ensure_ascii=True, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
 def _finite(value: Any) -> Any:

@@ -25,6 +25,7 @@ This module knows nothing of torch; it receives plain numbers.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -94,7 +95,12 @@ class SecondOpinion:
 
 @runtime_checkable
 class SecondOpinionProvider(Protocol):
-    """Anything with ``second_opinion(prompt, response)``, e.g. ``guarduq.sve.SVEnsemble``."""
+    """Anything with ``second_opinion(prompt, response)``, e.g. ``guarduq.sve.SVEnsemble``.
+
+    A provider that also takes ``ended=`` is told whether the reply closed its turn, so it scores
+    the reply in the same layout as the first opinion (a reply cut by ``max_new_tokens`` has no
+    end-of-turn token).
+    """
 
     def second_opinion(self, prompt: Any, response: str) -> Any: ...
 
@@ -186,6 +192,8 @@ class Policy:
             raw = path.read_bytes()
         except OSError as exc:
             raise PolicyError(f"cannot read policy file {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:  # a NUL or a lone surrogate in the path
+            raise PolicyError(f"cannot read policy file {str(path)!r}: {exc}") from exc
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -355,8 +363,12 @@ class Policy:
         response: str = "",
         request_id: str | None = None,
         model_fingerprint: str | None = None,
+        ended: bool = True,
     ) -> Decision:
         """Apply the rules to ``signals`` (see ``make_signals``); first match wins.
+
+        ``ended`` (whether the reply closed its turn) is handed to a second-opinion provider
+        that accepts it.
 
         Runtime failures (a non-finite signal, a failing second opinion or sink) give the
         ``on_error`` decision; configuration mistakes raise ``PolicyError``.
@@ -375,7 +387,7 @@ class Policy:
             if isinstance(rule, SecondOpinionRule):
                 assert provider is not None  # checked above
                 try:
-                    so = SecondOpinion.coerce(provider.second_opinion(prompt, response))
+                    so = SecondOpinion.coerce(_ask(provider, prompt, response, ended))
                 except Exception as exc:  # a provider failure is a runtime failure, not a crash
                     raise _Failure("second_opinion", exc) from exc
                 values.update(so.signals())
@@ -513,6 +525,18 @@ class _CallableProvider:
 
     def second_opinion(self, prompt: Any, response: str) -> Any:
         return self.fn(prompt, response)
+
+
+def _ask(provider: SecondOpinionProvider, prompt: Any, response: str, ended: bool) -> Any:
+    """``provider.second_opinion``, with ``ended=`` when its signature takes it."""
+    fn = provider.fn if isinstance(provider, _CallableProvider) else provider.second_opinion
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        params = ()
+    if any(p.name == "ended" or p.kind is p.VAR_KEYWORD for p in params):
+        return fn(prompt, response, ended=ended)
+    return fn(prompt, response)
 
 
 def _check_finite(values: Mapping[str, Any], used: Collection[str]) -> None:

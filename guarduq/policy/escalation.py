@@ -220,6 +220,8 @@ def make_sink(
             config = _CONFIGS[kind].model_validate(dict(config))
         except ValueError as exc:
             raise PolicyError(f"invalid {kind} sink: {exc}") from exc
+    if not isinstance(config, JsonlSinkConfig | WebhookSinkConfig | CallableSinkConfig):
+        raise PolicyError(f"a sink config must be a mapping with a 'type', got {type(config).__name__}")
     if isinstance(config, JsonlSinkConfig):
         path = Path(config.path)
         return JsonlSink(path if path.is_absolute() else Path(base_dir) / path)

@@ -218,6 +218,18 @@ def validate_policy_text(text: str, source: str = "<string>") -> tuple[PolicyCon
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
         return None, [PolicyIssue(source, line, "", f"not valid YAML: {problem}")]
+    except RecursionError:
+        return None, [PolicyIssue(source, None, "", _TOO_DEEP)]
+    try:
+        return _validate(root, data, source)
+    except RecursionError:  # an alias that contains itself (`a: &a [*a]`) parses to a cycle
+        return None, [PolicyIssue(source, None, "", _TOO_DEEP)]
+
+
+_TOO_DEEP = "nested too deeply, or an alias that refers to itself"
+
+
+def _validate(root: yaml.Node, data: Any, source: str) -> tuple[PolicyConfig | None, list[PolicyIssue]]:
     locator = _Locator(root, source)
     if not isinstance(data, dict):
         return None, [PolicyIssue(source, 1, "", "a policy file must be a YAML mapping")]

@@ -15,12 +15,13 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from hypothesis import event, given, settings  # noqa: E402
+from hypothesis import event, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from guarduq import Guard  # noqa: E402
 from guarduq.serve import Settings, create_app  # noqa: E402
 from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
+from tests.unit.fuzz_support import COUNTS, examples  # noqa: E402
 from tests.unit.serve_helpers import fake_app, varied  # noqa: E402
 
 TOKENIZER = make_tokenizer()
@@ -112,9 +113,11 @@ def check(client: Client, path: str, payload: Any) -> None:
         assert "guarduq" in resp.json()
 
 
+@examples(2000)
 @given(requests)
 def test_no_generated_request_gets_a_5xx(req):
     check(FAKE, *req)
+    COUNTS["serve: request (stub guard)"] += 1
 
 
 REAL = None
@@ -129,7 +132,8 @@ def real_client() -> Client:
     return REAL
 
 
-@settings(max_examples=60)
+@examples(60)
 @given(requests)
 def test_no_generated_request_gets_a_5xx_from_a_tiny_model(req):
     check(real_client(), *req)
+    COUNTS["serve: request (tiny model)"] += 1

@@ -1,0 +1,61 @@
+"""Checks that a file can be written, made when a run starts rather than when a request is half done."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from guarduq.errors import StorageError
+
+MIN_FREE_BYTES = 1 << 20  # less than this on the device counts as a full disk
+
+
+def check_writable(path: str | os.PathLike[str], what: str) -> Path:
+    """Raise ``StorageError`` unless ``path`` can be appended to (made if missing) on a disk with room.
+
+    A file that did not exist is removed again, so a check leaves nothing behind.
+    """
+    path = Path(path)
+    try:
+        if b"\x00" in os.fsencode(path):
+            raise ValueError("the path contains a NUL character")
+    except ValueError as exc:  # also UnicodeEncodeError: a lone surrogate has no file-system name
+        raise StorageError(f"cannot write {what} {str(path)!r}: {exc}") from None
+    try:
+        if path.is_dir():
+            raise StorageError(f"cannot write {what} {path}: it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.close(fd)
+        if not existed:
+            path.unlink()
+        st = os.statvfs(path.parent)
+    except OSError as exc:
+        if isinstance(exc, StorageError):
+            raise
+        raise StorageError(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
+    if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+        raise StorageError(f"cannot write {what} {path}: no space left on the device")
+    return path
+
+
+def append_line(path: Path, line: bytes, what: str) -> None:
+    """Append one line and fsync; on failure cut the file back, so no torn line is left."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StorageError(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
+    try:
+        start = os.fstat(fd).st_size
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # if even this fails, readers drop a torn last line
+            os.ftruncate(fd, start)
+        raise StorageError(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)

@@ -1,0 +1,80 @@
+"""CLI conventions: ``--input -`` reads standard input; every command's ``--help`` has an example."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from guarduq.cli import build_parser, main
+from tests.conftest import tiny_llama
+
+PAIRS = '{"id": "a", "prompt": "Hi", "response": "Yo"}\n\n{"id": "b", "prompt": "Q", "response": "A"}\n'
+
+
+@pytest.fixture
+def model_dir(tmp_path, tokenizer):
+    tiny_llama().save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
+def test_score_input_dash_reads_stdin_like_a_file(model_dir, tmp_path, monkeypatch, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(PAIRS)
+    assert main(["score", "--model", model_dir, "--input", str(src)]) == 0
+    from_file = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PAIRS))
+    assert main(["score", "--model", model_dir, "--input", "-"]) == 0
+    from_stdin = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in from_stdin] == ["a", "b"]
+    for a, b in zip(from_file, from_stdin, strict=True):
+        assert a["epistemic"] == pytest.approx(b["epistemic"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("text", "needle"), [("", "<stdin> has no requests"),
+                                               ('{"prompt": "Hi"}\n', "<stdin>:1: response")])
+def test_bad_stdin_is_one_line(text, needle, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    assert main(["score", "--model", "no-such-model", "--input", "-"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_score_input_dash_in_a_pipe(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "guarduq", "score", "--model", model_dir, "--input", "-"],
+                          input=PAIRS, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(x)["id"] for x in proc.stdout.splitlines()] == ["a", "b"]
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_command_help_shows_an_example():
+    found = list(_parsers(build_parser()))
+    names = {" ".join(p) for p, _ in found}
+    assert {"", "score", "generate", "demo", "calibrate", "evaluate", "report", "policy",
+            "policy check", "policy explain", "sve", "sve train"} <= names
+    for path, parser in found:
+        text = parser.format_help()
+        assert "example" in text, f"guarduq {' '.join(path)} --help has no example"
+        examples = text.split("example", 1)[1].splitlines()[1:]
+        # Each example is a runnable command of this very (sub)command, not just any text.
+        assert examples and examples[0].strip().startswith(" ".join(("guarduq", *path)))
+
+
+def test_help_exits_zero_and_prints_the_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", "--help"])
+    assert exit_.value.code == 0
+    assert "guarduq calibrate --dataset" in capsys.readouterr().out
