@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from guarduq.cli._help import with_example
 from guarduq.errors import GuardUQError, InputError
 from guarduq.models import DEFAULT_MODEL
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible chat-completions server with a policy")
+    p = sub.add_parser("serve", help="OpenAI-compatible chat-completions server with a policy",
+                       **with_example("guarduq serve --model smollm2-135m-instruct --policy policies/default.yaml "
+                                      "--audit audit.jsonl --port 8000"))
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
@@ -44,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_serve)
 
-    d = sub.add_parser("drift", help="compare an audit log's scores with a calibrator's data (PSI, KS)")
+    d = sub.add_parser("drift", help="compare an audit log's scores with a calibrator's data (PSI, KS)",
+                       **with_example("guarduq drift --audit audit.jsonl "
+                                      "--calibrator policies/calibrators/smollm2-135m-instruct.json --out drift.png"))
     d.add_argument("--audit", type=Path, required=True, help="audit JSONL (guarduq serve --audit)")
     d.add_argument("--calibrator", type=Path, help="calibrator JSON whose evaluation_data is the reference")
     d.add_argument("--reference", type=Path, help="score JSONL to use as the reference instead")

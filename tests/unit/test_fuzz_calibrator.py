@@ -32,7 +32,7 @@ def artifact() -> tuple[Path, dict[str, Any]]:
     wrong = rng.random(400) < 1 / (1 + np.exp(-2 * log_e))
     scores = [{"epistemic": math.exp(v), "aleatoric": float(a), "mean_logprob": -float(a), "valid": True}
               for v, a in zip(log_e, rng.uniform(0, 0.25, 400), strict=True)]
-    cal = Calibrator(model_name="tiny", model_fingerprint=FP)
+    cal = Calibrator("paper", C=1.0, model_name="tiny", model_fingerprint=FP)
     cal.fit(scores[:200], (~wrong[:200]).astype(int))
     cal.fit_thresholds(scores[200:300], (~wrong[200:300]).astype(int), alphas=(0.3, 0.5), delta=0.2)
     cal.attach_evaluation(cal.evaluate(scores[300:330], (~wrong[300:330]).astype(int), ["d"] * 30))

@@ -29,6 +29,8 @@ from tests.unit.fuzz_support import COUNTS, OUTCOMES, alarm, examples, texts
 
 pytestmark = pytest.mark.fuzz
 
+# Flags left out: --ray starts a Ray cluster (tests/integration/test_distributed_real.py covers it).
+SKIPPED_FLAGS = {"ray", "ray_cpus_per_actor"}
 # Commands whose valid runs are long by design (8 prompts; SVE training): fuzzed with small settings.
 BOUNDED = {("demo",): ["--max-new-tokens", "2"], ("sve", "train"): ["--steps", "1", "--members", "2"]}
 
@@ -88,6 +90,8 @@ def argv(draw: st.DrawFn) -> tuple[list[str], tuple[str, ...]]:
     path, parser = draw(st.sampled_from(COMMANDS))
     out: list[str] = list(path)
     for action in parser._actions:
+        if action.dest in SKIPPED_FLAGS:
+            continue
         if isinstance(action, argparse._HelpAction):
             if draw(st.integers(0, 60)) == 0:
                 out.append("--help")
@@ -115,6 +119,10 @@ def _scratch_cwd() -> Iterator[None]:
         mp.chdir(files()["dir"])
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("GUARDUQ_RUNS", str(Path(files()["dir"]) / "runs"))
+        # `guarduq serve` validates, loads the model and builds the app, then would serve forever:
+        # fuzz everything up to the bind (tests/unit/test_serve.py and the integration test serve).
+        uvicorn = pytest.importorskip("uvicorn")
+        mp.setattr(uvicorn, "run", lambda app, **kwargs: None)
         yield
 
 

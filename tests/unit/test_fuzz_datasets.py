@@ -71,6 +71,10 @@ ROWS = {
     ),
 }
 ROWS["commonsenseqa"] = ROWS["arc"]
+ROWS["nq-open"] = st.fixed_dictionaries(
+    {"question": maybe(field_text, json_values), "answer": maybe(st.lists(field_text, max_size=3), json_values)},
+    optional={"id": maybe(texts, json_values)},
+)
 TQA_COLUMNS = ["Type", "Category", "Question", "Best Answer", "Correct Answers", "Incorrect Answers", "Source"]
 
 
