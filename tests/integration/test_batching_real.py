@@ -18,7 +18,9 @@ def test_generate_batch_equals_generate(real_guard: Guard) -> None:
     assert {r.ended for r in single} == {True, False}  # rows that stop early and one that is cut
     assert [(r.text, r.ended) for r in batch] == [(r.text, r.ended) for r in single]
     for a, b in zip(single, batch, strict=True):
-        assert b.scores.epistemic == pytest.approx(a.scores.epistemic, rel=1e-6)
+        # batched vs sequential scorer in fp32 on a 30-layer model: both sit ~1e-4 from an fp64 copy
+        # (benchmarks/throughput.py --fp64-check); 1e-6 exactness is tested on tiny models (test_batched.py)
+        assert b.scores.epistemic == pytest.approx(a.scores.epistemic, rel=1e-3)
 
 
 def test_bf16_weights_same_fingerprint_close_scores(real_guard: Guard) -> None:

@@ -41,7 +41,9 @@ def test_cli_score_json_contract(real_guard):
     row = json.loads(proc.stdout)
     assert row["model_fingerprint"] == real_guard.info.fingerprint
     direct = real_guard.score(QUESTION, "Paris.")
-    assert row["epistemic"] == pytest.approx(direct.epistemic, rel=1e-6)
+    # batched vs sequential scorer in fp32 on a 30-layer model: both sit ~1e-4 from an fp64 copy
+    # (benchmarks/throughput.py --fp64-check); 1e-6 exactness is tested on tiny models (test_batched.py)
+    assert row["epistemic"] == pytest.approx(direct.epistemic, rel=1e-3)
     assert row["n_tokens"] == direct.n_tokens and row["valid"] is True
 
 
