@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_nq_open_bad_rows_name_their_line(tmp_path: Path, row: dict[str, object]
 
 
 def test_the_shared_nq_open_file_loads() -> None:
-    path = Path("/work/shared/data/nq_open/NQ-open.dev.jsonl")
+    data = os.environ.get("GUARDUQ_DATA") or Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
+    path = Path(data) / "nq_open" / "NQ-open.dev.jsonl"
     if not path.exists():
         pytest.skip("shared data not present")
     ds = load_dataset("nq-open", path, limit=50)
