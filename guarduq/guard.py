@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from guarduq import batching, layout
+from guarduq import batching, layout, streaming
 from guarduq._logging import get_logger
 from guarduq.calibration import Calibrator, feature_matrix
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
@@ -219,7 +218,7 @@ class Guard:
         ids = layout.prompt_ids(self.tokenizer, prompt)
         layout.check_fits(self.model, len(ids) + 1)
         gen = self._generation_settings(generation_kwargs)
-        pieces = _TextPieces(self.tokenizer, _check_stops(stop))
+        pieces = streaming.TextPieces(self.tokenizer, streaming.check_stops(stop))
         gen["streamer"] = pieces
         gen["stopping_criteria"] = [*gen.get("stopping_criteria", []), pieces]
         worker = threading.Thread(target=pieces.run, args=(self._run_generate, ids, gen), daemon=True)
@@ -507,93 +506,6 @@ def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int |
     if context is not None and n_prompt + n > context:
         gen = {**gen, "max_new_tokens": max(1, context - n_prompt)}
     return gen
-
-
-def _check_stops(stop: Any) -> tuple[str, ...]:
-    if isinstance(stop, str):
-        stop = [stop]
-    stops = tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops):
-        raise InputError(f"stop sequences must be non-empty strings, got {stop!r}")
-    return stops
-
-
-_DONE = object()
-
-
-class _TextPieces:
-    """Streamer and stopping criterion for ``Guard.stream`` (``generate`` duck-types both).
-
-    It decodes the generated ids on the generation thread as they arrive and queues only text
-    that can no longer change: a trailing partial UTF-8 character (``\ufffd``) or a possible
-    beginning of a stop string waits for the next token. When a stop string appears, the text
-    is cut before it and generation halts at this step.
-    """
-
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False  # a stop string was generated
-        self._halted = False  # the consumer went away
-        self._prompt_seen = False
-        self._queue: queue.Queue[Any] = queue.Queue()
-
-    # -- generation thread
-
-    def run(self, generate: Any, ids: list[int], gen: dict[str, Any]) -> None:
-        try:
-            generate(ids, gen)
-        except BaseException as exc:  # handed to the consumer, which re-raises it
-            self._queue.put(exc)
-        self._queue.put(_DONE)
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # generate() first hands over the prompt
-            self._prompt_seen = True
-            return
-        if self.stopped:
-            return
-        self.ids.extend(int(i) for i in value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped = True
-            ready = text[: min(cuts)]
-        else:
-            ready = _stable_prefix(text, self.stops)
-        if len(ready) > len(self.sent) and ready.startswith(self.sent):
-            self._queue.put(ready[len(self.sent) :])
-            self.sent = ready
-
-    def end(self) -> None:
-        pass  # the worker signals the end once generate() has returned or raised
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        halt = self.stopped or self._halted
-        return torch.full((input_ids.shape[0],), halt, dtype=torch.bool, device=input_ids.device)
-
-    # -- consumer thread
-
-    def halt(self) -> None:
-        self._halted = True
-
-    def __iter__(self) -> Iterator[str]:
-        while (item := self._queue.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-
-def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` less a trailing partial character and any tail that may begin a stop string."""
-    text = text.rstrip("\ufffd")
-    hold = max(
-        (k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])),
-        default=0,
-    )
-    return text[: len(text) - hold]
 
 
 def calibrate(

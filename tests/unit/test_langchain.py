@@ -23,7 +23,6 @@ from langchain_core.runnables import RunnableLambda
 
 from guarduq import Guard
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
-from guarduq.guard import _stable_prefix
 from guarduq.integrations.langchain import (
     METADATA_KEY,
     GuardedChatModel,
@@ -33,6 +32,7 @@ from guarduq.integrations.langchain import (
 )
 from guarduq.policy import Policy
 from guarduq.scoring.uncertainty import GradientScorer
+from guarduq.streaming import stable_prefix as _stable_prefix
 from tests.conftest import tiny_llama
 
 SYSTEM = "Be brief."
