@@ -1,6 +1,7 @@
-"""Throughput of scoring on SmolLM2: batched exact scoring vs the sequential loop, in one run.
+"""Throughput on SmolLM2: scoring only, then generation only and generation + scoring, in one run.
 
     .venv/bin/python benchmarks/throughput.py [--n 32] [--batch-sizes 1 4 8 16] [--profile 16]
+        [--gen-n 16] [--gen-tokens 16] [--no-generation]
 
 Items are real TriviaQA questions (``/work/shared/data`` or ``--data``) with their short
 reference answers as responses. Measured, in this order, on the same sequences:
@@ -14,7 +15,10 @@ reference answers as responses. Measured, in this order, on the same sequences:
    added while scoring one batch, each batch size in a fresh subprocess;
 5. a torch.profiler summary of one batched call (``--profile B``): where the time goes.
 
-One function per measurement, so generation measurements can join later. Absolute seconds
+6. generation only and generation + scoring at the same batch sizes (``throughput_generate.py``,
+   run in this process afterwards; ``--no-generation`` skips it).
+
+One function per measurement. Absolute seconds
 depend on the machine and on what else runs; the ratios within one run are the claim.
 """
 
@@ -30,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DATA = Path("/work/shared/data/triviaqa/triviaqa_dev_extra_2k.jsonl")
+DATA = Path(__file__).resolve().parents[2] / "shared/data/triviaqa/triviaqa_dev_extra_2k.jsonl"
 Item = tuple[Any, int]
 
 
@@ -83,6 +87,38 @@ def measure_forwards(model: Any, data: list[Item], repeat: int) -> float:
     from guarduq.scoring.uncertainty import mean_token_prob
 
     seconds, _ = timed(lambda: [mean_token_prob(model, ids, start) for ids, start in data], repeat)
+    return seconds
+
+
+def measure_backward_floor(model: Any, data: list[Item], batch_size: int, repeat: int) -> float:
+    """One padded forward + backward per batch through the transformer body only (no LM head),
+    computing activation gradients alone (weights frozen, gradient taken at the input embeddings,
+    no norms): a lower bound on any exact scorer, since every layer's output gradient needs the
+    backward through the layers above it, and that costs about one more forward."""
+    import torch
+
+    def run() -> None:
+        emb = model.get_input_embeddings()
+        for i in range(0, len(data), batch_size):
+            chunk = data[i : i + batch_size]
+            width = max(int(ids.shape[1]) for ids, _ in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long, device=chunk[0][0].device)
+            mask = torch.zeros_like(ids)
+            for row, (seq, _) in enumerate(chunk):
+                ids[row, : seq.shape[1]] = seq[0]
+                mask[row, : seq.shape[1]] = 1
+            x = emb(ids).detach().requires_grad_(True)
+            hidden = model.base_model(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            (hidden * mask[..., None]).sum().backward()
+
+    frozen = [q for q in model.parameters() if q.requires_grad]
+    for q in frozen:
+        q.requires_grad_(False)
+    try:
+        seconds, _ = timed(run, repeat)
+    finally:
+        for q in frozen:
+            q.requires_grad_(True)
     return seconds
 
 
@@ -186,6 +222,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=16, help="batch size to profile (0: none)")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--fp64-check", type=int, default=4, help="items checked against an fp64 copy")
+    ap.add_argument("--gen-n", type=int, default=16, help="prompts for the generation tables")
+    ap.add_argument("--gen-tokens", type=int, default=16, help="max_new_tokens for the generation tables")
+    ap.add_argument("--no-generation", action="store_true", help="scoring only")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child is not None:
@@ -218,6 +257,10 @@ def main() -> None:
         diff = max_rel_diff(seq, got)
         diffs = "  ".join(f"{k} {v:.1e}" for k, v in diff.items())
         print(f"{f'batched b={bs}':<16}{n / t_b:>9.2f}{t_seq / t_b:>8.2f}{t_b / t_fwd:>8.2f}  {diffs}")
+    for bs in args.batch_sizes:
+        t_f = measure_backward_floor(model, data, bs, args.repeat)
+        print(f"{f'fwd+bwd b={bs}':<16}{n / t_f:>9.2f}{t_seq / t_f:>8.2f}{t_f / t_fwd:>8.2f}"
+              "  (body fwd+bwd, activation gradients only: a floor)")
     print("  x loop: speed-up over the sequential loop; x fwds: cost relative to the batch-1 forwards")
     if args.fp64_check:
         floor = measure_fp32_floor(model, data[: args.fp64_check], got, seq)
@@ -231,6 +274,13 @@ def main() -> None:
     if args.profile:
         print(f"\ntorch.profiler, one batched call of {args.profile}:")
         print(profile_batch(scorer, data[: args.profile]))
+    if not args.no_generation:
+        import throughput_generate
+
+        print("\ngeneration only and generation + scoring (throughput_generate.py):")
+        throughput_generate.main(["--n", str(args.gen_n), "--tokens", str(args.gen_tokens),
+                                  "--device", args.device, "--threads", str(torch.get_num_threads()),
+                                  "--batch-sizes", *map(str, args.batch_sizes)])
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ For each batch size B, the same N prompts (of different lengths) go through
 and the table prints items/s, the ratio to B = 1 (the one-at-a-time path, measured in this same
 run), whether every text and ``ended`` flag equals B = 1's, and the peak memory above the level
 before the run (RSS on CPU, ``max_memory_allocated`` on CUDA). Absolute seconds depend on the
-machine and its load; the ratios are the claim. Generation + scoring reaches its goal (>= 4x at
-B = 16) only once ``score_batch`` is batched; until then scoring is a loop and bounds the ratio.
+machine and its load; the ratios are the claim. ``benchmarks/throughput.py`` runs this after its
+scoring tables.
 """
 
 from __future__ import annotations
