@@ -52,6 +52,7 @@ from guarduq.calibration.analysis import (  # noqa: E402
     coefficient_signs,
     fit_and_test,
     leave_one_dataset_out,
+    robust_single_rule,
     sign_stable_rule,
     single_signals,
 )
@@ -154,6 +155,8 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
                                     note="strong prior toward the base rate"))
     candidates.append(Candidate("sign-stable", sign_stable_rule(free),
                                 note="free features whose sign agrees on every training dataset"))
+    candidates.append(Candidate("robust-single", robust_single_rule(free),
+                                note="the one free feature with the best worst-case AUROC over the training datasets"))
     lodo = None
     chosen, reason = None, "fewer than 3 datasets: no leave-one-dataset-out"
     if len(datasets) >= 3:

@@ -176,6 +176,31 @@ def sign_stable_rule(
     return rule
 
 
+def robust_single(train: Mapping[str, Labelled], base: Sequence[str]) -> tuple[str, ...]:
+    """The one feature of ``base`` whose worst AUROC over the training datasets (each feature in
+    its prior direction, :data:`ORIENTATION`) is highest.
+
+    Why: a signal that ranks wrong answers above chance on every dataset it has seen is the one
+    most likely to keep doing so on the next, whereas a fitted combination can lean on a feature
+    whose direction flips under shift. Datasets with one class only are skipped.
+    """
+    worst: dict[str, float] = {f: math.inf for f in base}
+    for scores, labels in train.values():
+        wrong = 1 - np.asarray(labels, int)
+        if wrong.min() == wrong.max():
+            continue
+        for f, v in single_signals(scores, base).items():
+            auc = bootstrap_auroc(wrong, v, n_boot=0)[0] if np.isfinite(v).all() else None
+            worst[f] = min(worst[f], auc if auc is not None else -math.inf)
+    ranked = [f for f in base if math.isfinite(worst[f])]
+    return (max(ranked, key=lambda f: worst[f]),) if ranked else tuple(base)
+
+
+def robust_single_rule(base: Sequence[str]) -> Callable[[Mapping[str, Labelled]], tuple[str, ...]]:
+    """A feature rule for :class:`Candidate`: :func:`robust_single` on the training datasets."""
+    return lambda train: robust_single(train, base)
+
+
 def _pool(groups: Mapping[str, Labelled]) -> Labelled:
     scores: list[dict[str, Any]] = []
     labels: list[np.ndarray] = []

@@ -18,6 +18,8 @@ from guarduq.calibration.analysis import (
     choose_candidate,
     coefficient_signs,
     leave_one_dataset_out,
+    robust_single,
+    robust_single_rule,
     sign_stable,
     sign_stable_rule,
 )
@@ -83,6 +85,23 @@ def test_lodo_prefers_the_sign_stable_choice() -> None:
     assert name == "sign-stable" and "never fell below 0.5" in reason
     # Best single in hindsight: mean_logprob (log_epistemic averages to a coin).
     assert res.best_single()[0] == "mean_logprob"
+
+
+def test_robust_single_keeps_the_signal_that_never_flips() -> None:
+    free = FEATURE_SETS["same-pass"]
+    # log_epistemic is the strongest signal on a and b but backwards on c and d.
+    assert robust_single({k: GROUPS[k] for k in ("a", "b")}, free) == ("log_epistemic",)
+    assert robust_single(GROUPS, free) == ("mean_logprob",)
+    # A one-class dataset says nothing about ranking and is skipped, not counted as a failure.
+    scores, y = GROUPS["c"]
+    one_class = (scores, np.ones_like(y))
+    assert robust_single({"a": GROUPS["a"], "x": one_class}, free) == ("log_epistemic",)
+    res = leave_one_dataset_out(GROUPS, [Candidate("robust-single", robust_single_rule(free))],
+                                ("log_epistemic", "mean_logprob"), n_boot=0)
+    assert all(res.features[d]["robust-single"] == ("mean_logprob",) for d in GROUPS)
+    # One feature, fitted in the direction the training data agree on: it ranks like that signal.
+    for d in GROUPS:
+        assert res.rows[d]["robust-single"]["auroc"] == pytest.approx(res.singles[d]["mean_logprob"])
 
 
 # --------------------------------------------------------------------------- the pipeline
