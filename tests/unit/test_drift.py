@@ -24,7 +24,8 @@ from guarduq.calibration.drift import (
 from guarduq.cli import main
 from guarduq.errors import CalibrationError
 
-SHIPPED = Path(__file__).resolve().parents[2] / "policies/calibrators/smollm2-135m-instruct.json"
+# A real artifact with evaluation data: the SmolLM2 calibrator of format 1 (a fixture).
+SHIPPED = Path(__file__).resolve().parents[2] / "tests/data/calibrator-v1-smollm2.json"
 
 
 def test_psi_by_hand_two_bins():

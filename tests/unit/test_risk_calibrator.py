@@ -21,7 +21,8 @@ from guarduq.calibration import (
 from guarduq.calibration.sizing import accepted_needed, calibration_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "policies" / "calibrators" / "smollm2-135m-instruct.json"
+# The SmolLM2 calibrator shipped before feature sets existed (format 1), kept as a fixture.
+V1 = ROOT / "tests" / "data" / "calibrator-v1-smollm2.json"
 
 
 def data(n: int, signal: float, seed: int = 0) -> tuple[list[dict[str, float]], np.ndarray]:
@@ -83,7 +84,7 @@ FIXED = [
 
 
 def test_artifact_written_before_this_change_scores_identically(tmp_path: Path) -> None:
-    doc = json.loads(SHIPPED.read_text())
+    doc = json.loads(V1.read_text())
     assert doc["format_version"] == 1 and "feature_set" not in doc  # really an old artifact
     mean, scale = np.array(doc["scaler"]["mean"]), np.array(doc["scaler"]["scale"])
     coef, b = np.array(doc["logistic"]["coef"]), doc["logistic"]["intercept"]
@@ -94,7 +95,7 @@ def test_artifact_written_before_this_change_scores_identically(tmp_path: Path) 
         x = np.array([math.log(max(d["epistemic"], 1e-12)), d["aleatoric"]])
         return float(1 / (1 + math.exp(-(coef @ ((x - mean) / scale) + b))))
 
-    cal = Calibrator.load(SHIPPED)
+    cal = Calibrator.load(V1)
     expected = [by_hand(d) for d in FIXED]
     np.testing.assert_allclose(cal.predict_risk(FIXED), expected, rtol=1e-12, atol=0)
     assert cal.feature_set == "paper" and doc["logistic"]["C"] == cal.C_
