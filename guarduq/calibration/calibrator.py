@@ -44,6 +44,7 @@ from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
 from guarduq._version import __version__
+from guarduq.calibration.drift import drift_features, reference_quantiles
 from guarduq.calibration.features import (
     COSTLY,
     DEFAULT_FEATURE_SET,
@@ -144,6 +145,7 @@ class _Artifact(BaseModel):
     datasets: list[_DatasetRef]
     split: dict[str, float] | None = None
     evaluation_data: dict[str, list[Any]] | None = None
+    reference: dict[str, list[float]] | None = None  # fit-split quantiles for drift checks
 
 
 # --------------------------------------------------------------------------- the calibrator
@@ -225,6 +227,9 @@ class Calibrator:
         self.pipeline_ = pipe
         self.C_ = C
         self.n_fit_ = int(y.size)
+        self.reference_ = reference_quantiles(
+            [sc for sc, keep in zip(scores, ok, strict=True) if keep], drift_features(self.features)
+        )
         self.created_ = datetime.now(UTC).isoformat(timespec="seconds")
         self._sha256 = None
         return self
@@ -406,6 +411,7 @@ class Calibrator:
             "evaluation_data": self.evaluation_.data_dict()
             if include_evaluation_data and self.evaluation_ is not None
             else None,
+            "reference": getattr(self, "reference_", None),
         }
         return out
 
@@ -512,6 +518,7 @@ class Calibrator:
         self.datasets_ = [d.model_dump() for d in art.datasets]
         self.split_ = art.split
         self.created_ = art.created
+        self.reference_ = art.reference
         if art.evaluation_data:
             try:
                 self.evaluation_ = Evaluation.from_data_dict(

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from guarduq._logging import get_logger
-from guarduq.calibration.features import FEATURE_SETS, FEATURES
+from guarduq.calibration.features import FEATURE_SETS, FEATURES, as_score_dict
 from guarduq.errors import CalibrationError
 
 log = get_logger("drift")
@@ -109,6 +109,32 @@ def feature_values(records: Iterable[Mapping[str, Any]], feature: str) -> list[f
     return out
 
 
+REFERENCE_POINTS = 201  # quantiles kept per feature: the fit split's shape in ~4 KB of JSON
+
+
+def reference_quantiles(
+    records: Sequence[Mapping[str, Any]], features: Sequence[str], points: int = REFERENCE_POINTS
+) -> dict[str, list[float]]:
+    """The fit split's distribution of each watched feature, as ``points`` evenly spaced quantiles
+    (all values when there are fewer), unrounded so that the ties of a discrete feature such as
+    ``log_n_tokens`` stay exactly on the values live traffic takes.
+
+    Why quantiles: PSI only needs the reference's deciles and its share per bin, and KS against
+    201 quantiles is off by at most 1/200 in the empirical CDF, so a compact summary of the fit
+    distribution serves drift checks without storing every fitted answer in the artifact.
+    Features with fewer than 2 finite values are left out.
+    """
+    out: dict[str, list[float]] = {}
+    dicts = [as_score_dict(r) for r in records]
+    for f in features:
+        v = np.sort(np.asarray(feature_values(dicts, f), dtype=float))
+        if v.size < 2:
+            continue
+        q = v if v.size <= points else np.quantile(v, np.linspace(0, 1, points))
+        out[f] = [float(x) for x in q]
+    return out
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -132,9 +158,16 @@ def drift_features(calibrator_features: Sequence[str] = ()) -> tuple[str, ...]:
 def reference_from_artifact(artifact: Mapping[str, Any], source: str = "calibrator") -> Reference:
     """The reference stored in a calibrator artifact (``Calibrator.to_dict()`` or its JSON).
 
-    Uses ``evaluation_data`` (the held-out items' scores). Raises ``CalibrationError`` naming
-    what is missing when the artifact lacks it or lacks a feature the calibrator uses.
+    Prefers ``reference`` (quantiles of the fit split, written since artifacts carry it), else
+    ``evaluation_data`` (the held-out items' scores, same distribution by the random split).
+    Raises ``CalibrationError`` naming what is missing when neither covers a watched feature.
     """
+    wanted = drift_features(artifact.get("features") or ())
+    stored = artifact.get("reference") or {}
+    if all(len(stored.get(f) or ()) >= 2 for f in wanted):
+        n = artifact.get("n_fit", "?")
+        return Reference({f: np.asarray(stored[f], dtype=float) for f in wanted},
+                         f"{source} fit split (n={n}, quantiles)")
     data = artifact.get("evaluation_data")
     if not data:
         raise CalibrationError(
@@ -143,7 +176,6 @@ def reference_from_artifact(artifact: Mapping[str, Any], source: str = "calibrat
     keys = [k for k, v in data.items() if isinstance(v, list)]
     n = max((len(data[k]) for k in keys), default=0)
     records = [{k: data[k][i] for k in keys if i < len(data[k])} for i in range(n)]
-    wanted = drift_features(artifact.get("features") or ())
     values: dict[str, np.ndarray] = {}
     for f in wanted:
         v = feature_values(records, f)

@@ -96,6 +96,48 @@ def _audit(path: Path, epistemic: list[float], aleatoric: list[float], torn: boo
     path.write_text("\n".join(lines) + "\n" + ('{"request_id": "x", "sco' if torn else ""))
 
 
+def _fitted_scores(n: int, seed: int = 0) -> tuple[list[dict], list[int]]:
+    rng = np.random.default_rng(seed)
+    scores = [
+        {"epistemic": float(np.exp(rng.normal(3, 1))), "aleatoric": float(rng.uniform(0, 0.25)),
+         "mean_logprob": float(rng.normal(-2, 1)), "min_token_prob": float(rng.uniform(1e-3, 1)),
+         "mean_entropy": float(rng.uniform(0, 3)), "n_tokens": int(rng.integers(1, 30)), "valid": True}
+        for _ in range(n)
+    ]
+    return scores, [int(x) for x in rng.integers(0, 2, n)]
+
+
+def test_fit_split_reference_is_stored_and_preferred(tmp_path):
+    from guarduq.calibration import Calibrator
+    from guarduq.calibration.features import feature_matrix
+
+    scores, labels = _fitted_scores(1000)
+    scores[0] = {**scores[0], "valid": False}  # excluded from the fit, so from the reference too
+    cal = Calibrator("paper+likelihood", C=1.0).fit(scores, labels)
+    cal.save(tmp_path / "cal.json", include_evaluation_data=False)
+    doc = json.loads((tmp_path / "cal.json").read_text())
+    # Every watched feature (the paper pair, then the calibrator's own) is summarised by 201
+    # quantiles of the 999 valid fitted rows, computed here independently.
+    assert list(doc["reference"]) == ["log_epistemic", "aleatoric", "mean_logprob",
+                                      "log_min_token_prob", "mean_entropy", "log_n_tokens"]
+    X, ok = feature_matrix(scores, list(doc["reference"]))
+    for j, f in enumerate(doc["reference"]):
+        expect = np.quantile(X[ok, j], np.linspace(0, 1, 201))
+        np.testing.assert_allclose(doc["reference"][f], expect, rtol=1e-12)
+        assert ks(X[ok, j], doc["reference"][f]) <= 1 / 200 + 1e-9
+    # No evaluation data is needed any more, and mean_entropy (absent from evaluation_data) is watched.
+    ref = reference_from_artifact(doc)
+    assert ref.source.startswith("calibrator fit split (n=999")
+    assert "mean_entropy" in ref.features
+    # The reference survives a load/save round trip.
+    again = Calibrator.load(tmp_path / "cal.json")
+    assert again.to_dict()["reference"] == doc["reference"]
+    # Without it (artifacts written before), the evaluation data is the fallback, as before.
+    old = {**doc, "reference": None}
+    with pytest.raises(CalibrationError, match="evaluation_data"):
+        reference_from_artifact(old)
+
+
 def test_drift_cli_ok_on_reference_like_traffic_and_alarm_on_shifted(tmp_path, capsys):
     doc = json.loads(SHIPPED.read_text())
     e, a = doc["evaluation_data"]["epistemic"], doc["evaluation_data"]["aleatoric"]
