@@ -60,7 +60,7 @@ QA_SETS := \
 # of each QA set, pooled. Scoring is cached under runs/cache and resumes (hours on 2 CPU cores
 # from scratch; seconds once `make risk-data` has scored the same items).
 CAL_LIMIT ?= 600
-CAL_FEATURES ?= __CAL_FEATURES__
+CAL_FEATURES ?= paper+likelihood
 calibrator: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model smollm2-135m-instruct $(QA_SETS) \
 	  --limit $(CAL_LIMIT) --features $(CAL_FEATURES) --alpha 0.4 --alpha 0.5 --alpha 0.6 --delta 0.1 \
