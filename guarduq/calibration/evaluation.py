@@ -277,21 +277,24 @@ def score_dataset(
     Items go ``batch_size`` at a time (default ``batching.DEFAULT_BATCH_SIZE``); each record is
     appended (fsynced) as soon as its batch is done, so a killed run loses at most the batches
     in flight. ``guard`` may be a ``BatchScorer`` that scores the batches elsewhere.
+
+    Batches are fixed slices of ``items``, whatever the cache holds: a batch with any item
+    missing is scored whole and only the missing records are appended. Padding, and so the fp32
+    rounding of a score, depends on a batch's members, so a resumed run then writes the very
+    numbers an uninterrupted one would (bit for bit on the same machine and threads).
     """
     items = list(items)
     size = batching.check_batch_size(batch_size)
     fp = guard.info.fingerprint
     cache = ScoreCache(cache_path) if cache_path is not None else None
-    results: dict[str, ScoredItem] = {}
-    todo: list[Item] = []
+    results: dict[tuple[str, str], ScoredItem] = {}  # by (id, prompt_hash): one id, two prompt styles
     for item in items:
         hit = cache.get(item, fp) if cache else None
         if hit is not None:
-            results[item.id] = hit
-        else:
-            todo.append(item)
+            results[item.id, item.prompt_hash] = hit
+    batches = [b for b in batching.chunked(items, size) if any((i.id, i.prompt_hash) not in results for i in b)]
     if cache is not None and results:
-        log.info("cache_resume", path=str(cache.path), cached=len(results), todo=len(todo))
+        log.info("cache_resume", path=str(cache.path), cached=len(results), todo=len(items) - len(results))
     bar = tqdm(
         total=len(items),
         initial=len(results),
@@ -301,7 +304,6 @@ def score_dataset(
         disable=not progress,
         dynamic_ncols=True,
     )
-    batches = list(batching.chunked(todo, size))
     if isinstance(guard, BatchScorer):
         done = guard.score_item_batches(batches, max_new_tokens=max_new_tokens)
     else:
@@ -309,18 +311,19 @@ def score_dataset(
     n_correct = sum(1 for r in results.values() if r.label == 1)
     try:
         for recs in done:
-            for rec in recs:
+            new = [r for r in recs if (r.id, r.prompt_hash) not in results]  # cached members of a batch stay
+            for rec in new:
                 if rec.model_fingerprint != fp:
                     raise ScoringError(f"a record was scored by model {rec.model_fingerprint}, expected {fp}")
                 if cache is not None:
                     cache.append(rec)
-                results[rec.id] = rec
+                results[rec.id, rec.prompt_hash] = rec
                 n_correct += rec.label == 1
-            bar.update(len(recs))
+            bar.update(len(new))
             bar.set_postfix(acc=f"{n_correct / len(results):.2f}", refresh=False)
     finally:
         bar.close()
-    return [results[item.id] for item in items]
+    return [results[item.id, item.prompt_hash] for item in items]
 
 
 def usable(records: Iterable[ScoredItem]) -> Iterator[ScoredItem]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from guarduq.batching import chunked
 from guarduq.calibration.datasets import load_dataset
 from guarduq.calibration.evaluation import ScoreCache, score_dataset
 from guarduq.cli import main
@@ -155,9 +156,9 @@ def test_rerun_skips_cached_items_and_new_model_rescoring(tmp_path: Path) -> Non
     items = load_dataset("jsonl", _labelled(tmp_path, 6)).items
     cache = tmp_path / "cache.jsonl"
     first = FakeGuard()
-    score_dataset(first, items[:4], cache, progress=False)
+    score_dataset(first, items[:4], cache, progress=False, batch_size=2)
     second = FakeGuard()
-    recs = score_dataset(second, items, cache, progress=False)
+    recs = score_dataset(second, items, cache, progress=False, batch_size=2)
     assert len(second.calls) == 2 and len(recs) == 6
     assert [r.id for r in recs] == [i.id for i in items]
     # Another model (fingerprint) scores everything again, into the same file.
@@ -168,6 +169,28 @@ def test_rerun_skips_cached_items_and_new_model_rescoring(tmp_path: Path) -> Non
     assert len(lines) == 12 and len({(x["id"], x["model_fingerprint"]) for x in lines}) == 12
     for key in ("id", "prompt_hash", "model_fingerprint", "response", "label", "scores"):
         assert key in lines[0]
+
+
+def test_a_partly_cached_batch_is_scored_whole_and_appends_only_what_was_missing(tmp_path: Path) -> None:
+    """Batches are fixed slices of the items, so a resumed run pads (and rounds) as an uninterrupted one."""
+    items = load_dataset("jsonl", _labelled(tmp_path, 6)).items
+    cache = tmp_path / "cache.jsonl"
+    score_dataset(FakeGuard(), items[:2], cache, progress=False, batch_size=2)
+    before = cache.read_text()
+    g = FakeGuard()
+    recs = score_dataset(g, items, cache, progress=False, batch_size=4)
+    assert [c[1] for c in g.calls] == [f"answer {i}" for i in range(6)]  # slices [0..3] and [4, 5]
+    assert [r.id for r in recs] == [i.id for i in items]
+    lines = cache.read_text().splitlines()
+    assert cache.read_text().startswith(before) and len(lines) == 6
+    assert len({json.loads(x)["id"] for x in lines}) == 6
+
+
+def test_one_id_in_two_prompt_styles_gets_two_records(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "1", "question": "Capital of Peru?", "answers": ["Lima"]}])
+    items = [*load_dataset("triviaqa", path).items, *load_dataset("triviaqa", path, prompt_style="fewshot").items]
+    recs = score_dataset(FakeGuard(), items, tmp_path / "c.jsonl", progress=False)
+    assert [r.prompt_hash for r in recs] == [i.prompt_hash for i in items] and len(set(recs[0].prompt_hash)) > 1
 
 
 def test_changed_prompt_is_rescored(tmp_path: Path) -> None:
@@ -182,11 +205,11 @@ def test_changed_prompt_is_rescored(tmp_path: Path) -> None:
 def test_torn_last_line_is_dropped_and_the_file_repaired(tmp_path: Path) -> None:
     items = load_dataset("jsonl", _labelled(tmp_path, 3)).items
     cache = tmp_path / "cache.jsonl"
-    score_dataset(FakeGuard(), items[:2], cache, progress=False)
+    score_dataset(FakeGuard(), items[:2], cache, progress=False, batch_size=1)
     with open(cache, "a") as f:
         f.write('{"id": "jsonl:2", "prompt_ha')  # killed mid-write
     g = FakeGuard()
-    recs = score_dataset(g, items, cache, progress=False)
+    recs = score_dataset(g, items, cache, progress=False, batch_size=1)
     assert len(g.calls) == 1 and len(recs) == 3
     lines = cache.read_text().splitlines()
     assert len(lines) == 3 and all(json.loads(x) for x in lines)
@@ -288,8 +311,13 @@ def test_resume_after_killed_run_scores_no_item_twice(tmp_path: Path, tiny_model
         return real_score_batch(pairs, **kw)
 
     guard.score_batch = counting_score_batch  # type: ignore[method-assign]
-    recs = score_dataset(guard, load_dataset("jsonl", data).items, cache, progress=False, batch_size=batch_size)
-    assert len(scored) == n - done_before and len(recs) == n
+    items = load_dataset("jsonl", data).items
+    before = ScoreCache(cache)
+    # Only the fixed slices with a missing item are scored again (whole, so they pad as before).
+    expected = sum(len(b) for b in chunked(items, batch_size)
+                   if any(before.get(i, guard.info.fingerprint) is None for i in b))
+    recs = score_dataset(guard, items, cache, progress=False, batch_size=batch_size)
+    assert len(scored) == expected < n and len(recs) == n
     ids = [json.loads(x)["id"] for x in cache.read_text().splitlines()]
     assert len(ids) == n and max(Counter(ids).values()) == 1
     # The resumed run and the killed one scored with the same model (same fingerprint).

@@ -24,17 +24,19 @@ from tests.conftest import make_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 N_ITEMS = 40
+BATCH = 2  # items per appended batch: a kill loses at most this many
 
 # `guarduq calibrate` with every item slowed down, so a kill lands at a random point of the run.
+# score_dataset calls score_items once per batch, so that is what is slowed (per item in the batch).
 SLOW_CLI = textwrap.dedent(
     """
     import sys, time
     from guarduq.calibration import evaluation
-    real = evaluation.score_item
-    def slow(*a, **k):
-        time.sleep(float(sys.argv[1]))
-        return real(*a, **k)
-    evaluation.score_item = slow
+    real = evaluation.score_items
+    def slow(guard, items, **k):
+        time.sleep(float(sys.argv[1]) * len(items))
+        return real(guard, items, **k)
+    evaluation.score_items = slow
     from guarduq.cli import main
     sys.exit(main(sys.argv[2:]))
     """
@@ -60,7 +62,7 @@ def _data(tmp_path: Path) -> Path:
 def _argv(model: Path, data: Path, runs: Path, out: Path) -> list[str]:
     return ["calibrate", "--model", str(model), "--dataset", "jsonl", "--data", str(data), "--runs-dir", str(runs),
             "--out", str(out), "--no-progress", "--json", "--alpha", "0.3", "--alpha", "0.5", "--delta", "0.2",
-            "--test-fraction", "0.25", "--threshold-fraction", "0.25"]
+            "--test-fraction", "0.25", "--threshold-fraction", "0.25", "--batch-size", str(BATCH)]
 
 
 def _cache_lines(runs: Path) -> list[bytes]:
@@ -110,7 +112,8 @@ def test_kill_9_during_calibrate_then_rerun_equals_an_uninterrupted_run(tmp_path
     kills = []
     for _ in range(3):  # kill -9 after a random number of new items (0: while it starts up)
         cached = sum(1 for line in _cache_lines(runs)[:-1] if line.strip())
-        more = rng.randrange(0, N_ITEMS - cached - 4)
+        # At most half of what is left (minus a batch of overshoot), so the run never ends before the kill.
+        more = rng.randrange(0, max(1, (N_ITEMS - cached - 2 * BATCH) // 2))
         wait = rng.uniform(0, 3) if more == 0 else 0.0
         proc = run(runs, out, 0.08)
         t0, deadline = time.monotonic(), time.monotonic() + 120
