@@ -41,6 +41,7 @@ from guarduq.sve.layers import (
     _block_of,
     _hidden_size,
     _PrefixSharing,
+    _same_logits,
     _select_modules,
     validate_settings,
 )
@@ -151,7 +152,7 @@ class SVEnsemble:
                 shared, reason = None, str(exc).splitlines()[0][:200]
             finally:
                 sharing.rows = None
-        if shared is None or shared.shape != folded.shape or not torch.allclose(shared, folded, rtol=1e-4, atol=1e-5):
+        if shared is None or shared.shape != folded.shape or not _same_logits(shared, folded):
             for h in sharing.handles:
                 h.remove()
             log.warning("sve_prefix_sharing_off", reason=reason)

@@ -15,6 +15,7 @@ from transformers.pytorch_utils import Conv1D
 from guarduq import layout
 from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError, SVEError
 from guarduq.sve import SVELinear, SVEnsemble
+from guarduq.sve.layers import _same_logits
 from guarduq.sve.results import _same_answer
 from guarduq.sve.training import _member_batch
 from tests.conftest import make_tokenizer as tiny_tokenizer
@@ -502,3 +503,11 @@ def test_cli_train_bad_input_is_one_line(model_dir, tmp_path, capsys, extra, nee
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("guarduq: error:") and needle in err and err.count("\n") == 1
+
+
+def test_prefix_sharing_check_tolerates_rounding_not_a_wrong_fan_out() -> None:
+    logits = torch.randn(4, 5, 50, generator=torch.Generator().manual_seed(0)) * 10
+    rounded = logits + torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)) * 1e-5
+    assert _same_logits(rounded, logits)  # fp32 noise of another kernel, also on logits near 0
+    assert not _same_logits(logits[[1, 0, 2, 3]], logits)  # rows fanned out to the wrong member
+    assert not _same_logits(logits + 0.05, logits)
