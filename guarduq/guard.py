@@ -492,7 +492,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int | None) -> dict[str, Any]:
-    """Generation settings that give one sequence and stop at the model's context window.
+    """Generation settings that give one sequence and stop at the model's context window, with
+    the stop settings guarduq itself reads (``eos_token_id``, ``stopping_criteria``) checked.
 
     A huge ``max_new_tokens`` would otherwise run past the position embeddings (an index error
     deep in torch, or hours of generation); the reply is cut at the context instead.
@@ -500,6 +501,13 @@ def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int |
     n = gen.get("max_new_tokens")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InputError(f"max_new_tokens must be a positive integer, got {n!r}")
+    eos = gen.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**63 for i in ids):
+        raise InputError(f"eos_token_id must be a token id or a non-empty list of them, got {eos!r}")
+    crit = gen.get("stopping_criteria")
+    if crit is not None and (not isinstance(crit, list | tuple) or not all(callable(c) for c in crit)):
+        raise InputError(f"stopping_criteria must be a list of transformers StoppingCriteria, got {crit!r}")
     if gen.get("return_dict_in_generate") or gen.get("num_return_sequences", 1) != 1:
         raise InputError("a Guard scores one reply per call: return_dict_in_generate and "
                          "num_return_sequences are not supported")

@@ -82,7 +82,13 @@ def _is_loopback(host: str) -> bool:
 def api_keys_from_env(var: str | None) -> tuple[str, ...]:
     if var is None:
         return ()
-    raw = os.environ.get(var)
+    bad = InputError(f"--api-key-env {var!r}: not a valid environment variable name")
+    if not var or "=" in var or "\0" in var:
+        raise bad
+    try:
+        raw = os.environ.get(var)
+    except UnicodeError as exc:  # a lone surrogate: no environment can hold that name
+        raise bad from exc
     if raw is None:
         raise InputError(f"--api-key-env {var}: the environment variable {var} is not set")
     keys = tuple(k.strip() for k in raw.split(",") if k.strip())

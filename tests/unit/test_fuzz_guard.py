@@ -71,6 +71,10 @@ gen_kwargs = st.dictionaries(
 @example(prompt=MEGABYTE, kwargs={})
 @example(prompt="hi", kwargs={"max_new_tokens": 10**12})
 @example(prompt="hi", kwargs={"return_dict_in_generate": True})
+@example(prompt="0", kwargs={"eos_token_id": "0"})  # found by make fuzz: each raised inside guarduq
+@example(prompt="0", kwargs={"eos_token_id": None})
+@example(prompt="0", kwargs={"eos_token_id": 9.223372036854778e18})
+@example(prompt="0", kwargs={"stopping_criteria": 10**12})
 def test_generate(prompt: Any, kwargs: dict[str, Any]) -> None:
     r = clean("guard.generate", guard().generate, prompt, **kwargs)
     if not isinstance(r, GuardUQError):

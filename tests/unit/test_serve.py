@@ -252,6 +252,9 @@ def test_serve_command_refuses_before_loading_a_model(monkeypatch, capsys):
     monkeypatch.setenv("GUARDUQ_TEST_KEY", "short")
     assert main(["serve", "--model", "no-such-model", "--api-key-env", "GUARDUQ_TEST_KEY"]) == 2
     assert "at least 16 characters" in capsys.readouterr().err
+    for name in ("\ud800", "A=B", ""):  # "\ud800" raised UnicodeEncodeError from os.environ (make fuzz)
+        assert main(["serve", "--model", "no-such-model", "--api-key-env", name]) == 2
+        assert "not a valid environment variable name" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- operations
