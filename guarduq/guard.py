@@ -266,7 +266,8 @@ class Guard:
         progress: bool = False,
     ) -> list[Scores]:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
-        rounding; see ``guarduq.scoring.batched``). ``ended``: one flag for all, or one per pair."""
+        rounding; see ``guarduq.scoring.batched``), fewer where long pairs would exceed
+        ``batching.MAX_BATCH_TOKENS`` padded tokens. ``ended``: one flag for all, or one per pair."""
         pairs = _as_pairs(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):
@@ -275,10 +276,11 @@ class Guard:
             raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
         encs = [layout.encode(self.tokenizer, self.model, p, r, ended=e) for (p, r), e in zip(pairs, flags, strict=True)]
         order = sorted(range(len(encs)), key=lambda i: -encs[i].input_ids.shape[1])  # less padding
+        lengths = [int(encs[i].input_ids.shape[1]) for i in order]
         out: list[Scores | None] = [None] * len(encs)
         with tqdm(total=len(encs), desc="scoring", unit="resp", disable=not progress) as bar:
-            for k in range(0, len(order), batch_size):
-                chunk = order[k : k + batch_size]
+            for run in batching.token_budget_chunks(lengths, batch_size, batching.MAX_BATCH_TOKENS):
+                chunk = [order[j] for j in run]
                 items = [(encs[i].input_ids.to(self._device), encs[i].response_start) for i in chunk]
                 try:
                     scores = self.scorer.score_batch(items, batch_size=batch_size)

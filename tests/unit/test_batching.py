@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from guarduq import Guard, layout
+from guarduq import Guard, batching, layout
 from guarduq.calibration.datasets import load_dataset
 from guarduq.calibration.evaluation import ScoreCache, score_dataset
 from guarduq.errors import InputError
@@ -115,6 +115,34 @@ def _mixed_items(tmp_path: Path) -> list:
                                        "label": i % 2}) + "\n" for i in range(5)))
     return [*load_dataset("triviaqa", qa).items, *load_dataset("arc", arc).items,
             *load_dataset("arc", arc, prompt_style="fewshot").items, *load_dataset("jsonl", lab).items]
+
+
+def test_token_budget_chunks() -> None:
+    assert list(batching.token_budget_chunks([50, 40, 30, 10, 10], 4, 100)) == [[0, 1], [2, 3, 4]]
+    assert list(batching.token_budget_chunks([500, 20, 10], 8, 100)) == [[0], [1, 2]]  # too long: alone
+    assert list(batching.token_budget_chunks([5] * 10, 4, 10_000)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(batching.token_budget_chunks([], 4, 100)) == []
+
+
+def test_score_batch_splits_long_pairs_within_the_token_budget(tokenizer, monkeypatch) -> None:
+    guard = Guard((tiny_llama(seed=3), tokenizer))
+    pairs = [(p, "some answer " * (i + 1)) for i, p in enumerate(PROMPTS)]
+    unbounded = guard.score_batch(pairs, batch_size=5)
+    seen: list[tuple[int, int]] = []  # (rows, longest row) of each forward+backward
+    real = guard.scorer.score_batch
+
+    def spy(items, **kw):
+        seen.append((len(items), max(int(ids.shape[1]) for ids, _ in items)))
+        return real(items, **kw)
+
+    monkeypatch.setattr(guard.scorer, "score_batch", spy)
+    monkeypatch.setattr(batching, "MAX_BATCH_TOKENS", 130)
+    bounded = guard.score_batch(pairs, batch_size=5)
+    assert sum(r for r, _ in seen) == 5 and 1 < len(seen) < 5, seen  # split, but not one by one
+    assert all(rows == 1 or rows * longest <= 130 for rows, longest in seen), seen
+    for a, b in zip(unbounded, bounded, strict=True):
+        assert b.epistemic == pytest.approx(a.epistemic, rel=1e-6)
+        assert b.mean_token_prob == pytest.approx(a.mean_token_prob, rel=1e-6)
 
 
 def test_score_dataset_batch_4_writes_the_records_of_batch_1(tiny_dir: Path, tmp_path: Path) -> None:
