@@ -46,7 +46,7 @@ def chunked(seq: Sequence[T], size: int) -> Iterator[list[T]]:
 MAX_BATCH_TOKENS = 2048
 
 
-def token_budget_chunks(lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_BATCH_TOKENS) -> Iterator[list[int]]:
+def token_budget_chunks(lengths: Sequence[int], batch_size: int, max_tokens: int) -> Iterator[list[int]]:
     """Indices of ``lengths`` (sorted longest first) in runs of at most ``batch_size`` whose
     padded size (rows x the run's first, longest, row) stays within ``max_tokens``; a row longer
     than the budget goes alone. Deterministic in ``lengths``, so a batch splits the same way on

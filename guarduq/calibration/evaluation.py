@@ -287,12 +287,12 @@ def score_dataset(
     size = batching.check_batch_size(batch_size)
     fp = guard.info.fingerprint
     cache = ScoreCache(cache_path) if cache_path is not None else None
-    results: dict[tuple[str, str], ScoredItem] = {}  # by (id, prompt_hash): one id, two prompt styles
+    results: dict[tuple[str, str], ScoredItem] = {}  # by _slot: one id may come in two prompt styles
     for item in items:
         hit = cache.get(item, fp) if cache else None
         if hit is not None:
-            results[item.id, item.prompt_hash] = hit
-    batches = [b for b in batching.chunked(items, size) if any((i.id, i.prompt_hash) not in results for i in b)]
+            results[_slot(item)] = hit
+    batches = [b for b in batching.chunked(items, size) if any(_slot(i) not in results for i in b)]
     if cache is not None and results:
         log.info("cache_resume", path=str(cache.path), cached=len(results), todo=len(items) - len(results))
     bar = tqdm(
@@ -311,19 +311,24 @@ def score_dataset(
     n_correct = sum(1 for r in results.values() if r.label == 1)
     try:
         for recs in done:
-            new = [r for r in recs if (r.id, r.prompt_hash) not in results]  # cached members of a batch stay
+            new = [r for r in recs if _slot(r) not in results]  # cached members of a batch stay
             for rec in new:
                 if rec.model_fingerprint != fp:
                     raise ScoringError(f"a record was scored by model {rec.model_fingerprint}, expected {fp}")
                 if cache is not None:
                     cache.append(rec)
-                results[rec.id, rec.prompt_hash] = rec
+                results[_slot(rec)] = rec
                 n_correct += rec.label == 1
             bar.update(len(new))
             bar.set_postfix(acc=f"{n_correct / len(results):.2f}", refresh=False)
     finally:
         bar.close()
-    return [results[item.id, item.prompt_hash] for item in items]
+    return [results[_slot(item)] for item in items]
+
+
+def _slot(x: Item | ScoredItem) -> tuple[str, str]:
+    """An item's place in one run: its id and prompt (the cache key, less the model)."""
+    return (x.id, x.prompt_hash)
 
 
 def usable(records: Iterable[ScoredItem]) -> Iterator[ScoredItem]:

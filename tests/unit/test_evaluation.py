@@ -190,7 +190,8 @@ def test_one_id_in_two_prompt_styles_gets_two_records(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", [{"id": "1", "question": "Capital of Peru?", "answers": ["Lima"]}])
     items = [*load_dataset("triviaqa", path).items, *load_dataset("triviaqa", path, prompt_style="fewshot").items]
     recs = score_dataset(FakeGuard(), items, tmp_path / "c.jsonl", progress=False)
-    assert [r.prompt_hash for r in recs] == [i.prompt_hash for i in items] and len(set(recs[0].prompt_hash)) > 1
+    assert [r.prompt_hash for r in recs] == [i.prompt_hash for i in items]
+    assert recs[0].prompt_hash != recs[1].prompt_hash  # two prompts, two records
 
 
 def test_changed_prompt_is_rescored(tmp_path: Path) -> None:
