@@ -37,10 +37,24 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     )
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record is emitted, as stdlib's last-resort handler
+    does: a stream captured at set-up may since have been redirected or closed (a host calling
+    ``cli.main`` repeatedly, test capture), and writing to it prints a "Logging error" traceback."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it; always sys.stderr
+        pass
+
+
 def configure_cli_logging(level: int = logging.WARNING) -> None:
     """Send guarduq's events to stderr at ``level`` (used by the CLI only)."""
     if not any(getattr(h, "_guarduq", False) for h in _STDLIB.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._guarduq = True  # type: ignore[attr-defined]
         _STDLIB.addHandler(handler)

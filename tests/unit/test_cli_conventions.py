@@ -78,3 +78,21 @@ def test_help_exits_zero_and_prints_the_example(capsys):
         main(["calibrate", "--help"])
     assert exit_.value.code == 0
     assert "guarduq calibrate --dataset" in capsys.readouterr().out
+
+
+def test_cli_logging_follows_stderr_after_the_first_stream_is_closed(monkeypatch):
+    """A host calling main() repeatedly (or test capture) replaces sys.stderr; the handler set up
+    under the first one must not write to it once it is closed (a "Logging error" traceback)."""
+    import contextlib
+    import logging
+
+    from guarduq import _logging
+
+    monkeypatch.setattr(_logging._STDLIB, "handlers", [])
+    first, second = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(first):
+        _logging.configure_cli_logging(logging.WARNING)
+    first.close()
+    with contextlib.redirect_stderr(second):
+        _logging.get_logger("test").warning("still_heard")
+    assert "still_heard" in second.getvalue() and "Traceback" not in second.getvalue()
