@@ -32,6 +32,7 @@ from guarduq.errors import CacheCorruptError, InputError, ModelLoadError, ModelN
 log = get_logger("models")
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+MIN_TRANSFORMERS = "5.23"  # first release reading both shipped GGUF tokenizers right; pyproject pins it
 _CACHE_FORMAT = 1
 
 
@@ -297,10 +298,90 @@ def _load_gguf(path: Path, use_cache: bool) -> tuple[nn.Module, Any]:
         )
     except Exception as exc:  # gguf raises bare ValueError/struct.error/IndexError on bad bytes
         raise ModelLoadError(f"corrupt or unsupported GGUF file {path}: {_first_line(exc)}") from exc
+    check_gguf_tokenizer(tok, gguf_tokenizer_facts(path), path)
     _forget_gguf_quantization(model)
     if use_cache:
-        _write_cache_entry(entry, model, tok, {"gguf": str(path), "gguf_sha256": digest})
+        _write_cache_entry(entry, model, tok, {"gguf": str(path), "gguf_sha256": digest, "tokenizer_checked": True})
     return model, tok
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerFacts:
+    """What a GGUF file itself says about its tokenizer (llama.cpp's reference reading)."""
+
+    eos_id: int | None
+    bos_id: int | None
+    add_bos: bool | None
+    words: tuple[tuple[int, str], ...]  # (id, token) of whole-word vocabulary entries, a fixed sample
+
+
+def gguf_tokenizer_facts(path: Path, n_words: int = 32) -> GGUFTokenizerFacts:
+    """Read the tokenizer metadata of a GGUF file (no tensors are read)."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(path).fields
+    except Exception as exc:  # same bare errors as the loader on bad bytes
+        raise ModelLoadError(f"corrupt or unsupported GGUF file {path}: {_first_line(exc)}") from exc
+
+    def value(key: str) -> Any:
+        field = fields.get(key)
+        if field is None:
+            return None
+        if hasattr(field, "contents"):
+            return field.contents()
+        items = [field.parts[i] for i in field.data]  # gguf < 0.11: raw parts
+        decoded = [bytes(x).decode("utf-8", "replace") if x.dtype.kind == "u" and x.itemsize == 1 else x[0].item()
+                   for x in items]
+        return decoded if len(decoded) != 1 or key == "tokenizer.ggml.tokens" else decoded[0]
+
+    tokens = value("tokenizer.ggml.tokens") or []
+    prefix = "Ġ" if value("tokenizer.ggml.model") == "gpt2" else "▁"
+    words = [(i, t) for i, t in enumerate(tokens)
+             if t.startswith(prefix) and t[1:].isascii() and t[1:].isalpha() and len(t) >= 6]
+    step = max(1, len(words) // n_words)
+    return GGUFTokenizerFacts(
+        eos_id=value("tokenizer.ggml.eos_token_id"),
+        bos_id=value("tokenizer.ggml.bos_token_id"),
+        add_bos=value("tokenizer.ggml.add_bos_token"),
+        words=tuple(words[::step][:n_words]),
+    )
+
+
+def check_gguf_tokenizer(tok: Any, facts: GGUFTokenizerFacts, path: Path | str) -> None:
+    """Refuse a tokenizer that transformers read from a GGUF file differently from the file.
+
+    Why: the GGUF tokenizer converter differs between transformers releases, and a wrong reading
+    is silent. Seen with transformers 5.17: SmolLM2's EOS became ``<|im_start|>`` (so replies
+    ran past their end and every score appended the wrong end token), and Gemma-3 lost its BOS
+    and split words into many pieces. Three checks catch both: EOS and BOS ids as the file
+    states them; a BOS first when the file says to add one; and whole-word vocabulary entries
+    (``Ġword``/``▁word``) encoding back to their single id (at least 90% of a fixed sample: a
+    tokenizer that lost its merges fails nearly all).
+    """
+    import transformers
+
+    problems = []
+    if facts.eos_id is not None and tok.eos_token_id != facts.eos_id:
+        problems.append(f"EOS id {tok.eos_token_id} where the file says {facts.eos_id}")
+    if facts.bos_id is not None and facts.add_bos and tok.bos_token_id != facts.bos_id:
+        problems.append(f"BOS id {tok.bos_token_id} where the file says {facts.bos_id}")
+    if facts.add_bos and facts.bos_id is not None:
+        first = tok("a", add_special_tokens=True)["input_ids"][:1]
+        if first != [facts.bos_id]:
+            problems.append("no BOS token at the start, though the file says to add one")
+    if facts.words:
+        wrong = [t for i, t in facts.words
+                 if tok(tok.convert_tokens_to_string([t]), add_special_tokens=False)["input_ids"] != [i]]
+        if len(wrong) > 0.1 * len(facts.words):
+            problems.append(f"{len(wrong)} of {len(facts.words)} vocabulary words do not encode to "
+                            f"their own id (e.g. {wrong[0]!r})")
+    if problems:
+        raise ModelLoadError(
+            f"transformers {transformers.__version__} reads the tokenizer of {path} differently from "
+            f"the file: {'; '.join(problems)}. Scores would be silently wrong; install "
+            f"transformers>={MIN_TRANSFORMERS}"
+        )
 
 
 def _forget_gguf_quantization(model: nn.Module) -> None:
@@ -332,12 +413,37 @@ def _load_cache_entry(entry: Path) -> tuple[nn.Module, Any]:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != _CACHE_FORMAT:
             raise ValueError(f"cache format {meta.get('format')!r} != {_CACHE_FORMAT}")
-        return _load_pretrained(entry, local_only=True)
+        model, tok = _load_pretrained(entry, local_only=True)
     except (OSError, ValueError, ModelLoadError) as exc:
         raise CacheCorruptError(
             f"model cache entry {entry} is corrupt ({_first_line(exc)}); delete that folder and "
             "load again to rebuild it"
         ) from exc
+    if not meta.get("tokenizer_checked"):
+        _check_cached_tokenizer(entry, meta, tok)
+    return model, tok
+
+
+def _check_cached_tokenizer(entry: Path, meta: dict[str, Any], tok: Any) -> None:
+    """Entries written before the tokenizer check: check once against their GGUF, then mark."""
+    gguf = Path(str(meta.get("gguf", "")))
+    if not gguf.is_file():
+        log.warning("model_cache_tokenizer_unchecked", entry=str(entry), reason="its GGUF file is gone")
+        return
+    try:
+        check_gguf_tokenizer(tok, gguf_tokenizer_facts(gguf), gguf)
+    except ModelLoadError as exc:
+        raise CacheCorruptError(f"model cache entry {entry}: {exc}; delete that folder and load again") from exc
+    try:
+        _write_json_atomic(entry / "guarduq.json", {**meta, "tokenizer_checked": True})
+    except OSError as exc:  # a read-only cache still loads; the check simply runs again next time
+        log.warning("model_cache_write_failed", entry=str(entry), error=str(exc))
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -55,3 +55,23 @@ def test_fingerprint_stable_across_gguf_and_cached_loads(tmp_path, monkeypatch, 
     assert not [p for p in entries[0].parent.iterdir() if p.name.startswith(".tmp-")]
     warm = load_model("smollm2-135m-instruct")  # reads the safetensors cache
     assert cold.info.fingerprint == warm.info.fingerprint == real_guard.info.fingerprint
+
+
+def test_the_real_gguf_tokenizer_matches_its_file(real_guard) -> None:
+    """SmolLM2's file says EOS = <|im_end|> (2) and no BOS; the loaded tokenizer agrees, and the
+    reading transformers 5.17 gave (EOS <|im_start|>) is refused."""
+    import copy
+
+    from guarduq.errors import ModelLoadError
+    from guarduq.models import check_gguf_tokenizer, gguf_tokenizer_facts, resolve_alias
+
+    path = resolve_alias("smollm2-135m-instruct")
+    facts = gguf_tokenizer_facts(path)
+    tok = real_guard.tokenizer
+    assert facts.eos_id == tok.convert_tokens_to_ids("<|im_end|>") and facts.add_bos is False
+    assert len(facts.words) == 32
+    check_gguf_tokenizer(tok, facts, path)
+    misread = copy.deepcopy(tok)
+    misread.eos_token = "<|im_start|>"
+    with pytest.raises(ModelLoadError, match="EOS id 1 where the file says 2"):
+        check_gguf_tokenizer(misread, facts, path)
