@@ -328,12 +328,7 @@ def gguf_tokenizer_facts(path: Path, n_words: int = 32) -> GGUFTokenizerFacts:
         field = fields.get(key)
         if field is None:
             return None
-        if hasattr(field, "contents"):
-            return field.contents()
-        items = [field.parts[i] for i in field.data]  # gguf < 0.11: raw parts
-        decoded = [bytes(x).decode("utf-8", "replace") if x.dtype.kind == "u" and x.itemsize == 1 else x[0].item()
-                   for x in items]
-        return decoded if len(decoded) != 1 or key == "tokenizer.ggml.tokens" else decoded[0]
+        return field.contents()  # gguf >= 0.16
 
     tokens = value("tokenizer.ggml.tokens") or []
     prefix = "Ġ" if value("tokenizer.ggml.model") == "gpt2" else "▁"
