@@ -1,9 +1,11 @@
-"""Checks that a file can be written, made when a run starts rather than when a request is half done."""
+"""Safe file writes: checks that a file can be written (made when a run starts rather than when a
+request is half done), append-only lines, and whole files replaced atomically."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from guarduq.errors import StorageError
@@ -59,3 +61,24 @@ def append_line(path: Path, line: bytes, what: str) -> None:
         raise StorageError(f"cannot write {what} {path}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so readers see the old file or the complete new one.
+
+    A temporary file beside it is written and fsynced, made world-readable (mkstemp makes 0600;
+    artifacts are meant to be shared) and renamed over ``path``; on failure it is removed.
+    Raises ``OSError``: callers say what they were writing.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from guarduq._logging import get_logger
+from guarduq._storage import write_atomic
 from guarduq.errors import CacheCorruptError, InputError, ModelLoadError, ModelNotFoundError
 
 log = get_logger("models")
@@ -430,15 +431,9 @@ def _check_cached_tokenizer(entry: Path, meta: dict[str, Any], tok: Any) -> None
     except ModelLoadError as exc:
         raise CacheCorruptError(f"model cache entry {entry}: {exc}; delete that folder and load again") from exc
     try:
-        _write_json_atomic(entry / "guarduq.json", {**meta, "tokenizer_checked": True})
+        write_atomic(entry / "guarduq.json", json.dumps({**meta, "tokenizer_checked": True}, indent=2).encode())
     except OSError as exc:  # a read-only cache still loads; the check simply runs again next time
         log.warning("model_cache_write_failed", entry=str(entry), error=str(exc))
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def _first_line(exc: BaseException) -> str:

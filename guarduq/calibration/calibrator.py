@@ -28,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -43,6 +42,7 @@ from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
+from guarduq._storage import write_atomic
 from guarduq._version import __version__
 from guarduq.calibration.drift import drift_features, reference_quantiles
 from guarduq.calibration.features import (
@@ -419,19 +419,7 @@ class Calibrator:
         """Write the JSON artifact atomically (temp file + fsync + rename); returns its sha256."""
         data = json.dumps(self.to_dict(include_evaluation_data), indent=1, allow_nan=False)
         raw = (data + "\n").encode()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(raw)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; an artifact is meant to be shared
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(Path(path), raw)
         self._sha256 = hashlib.sha256(raw).hexdigest()
         return self._sha256
 
