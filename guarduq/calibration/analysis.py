@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from scipy.stats import rankdata
 
-from guarduq.calibration.calibrator import Calibrator
+from guarduq.calibration.calibrator import MIN_FIT_ITEMS, Calibrator
 from guarduq.calibration.features import ORIENTATION, feature_matrix, missing_features
 from guarduq.calibration.metrics import ece
 from guarduq.calibration.thresholds import check_guarantees
@@ -171,9 +171,43 @@ def sign_stable_rule(
     datasets (falls back to ``base`` when nothing is stable)."""
 
     def rule(train: Mapping[str, Labelled]) -> tuple[str, ...]:
-        return sign_stable(coefficient_signs(train, base, C), min_abs) or tuple(base)
+        return select_features("sign-stable", train, base, C, min_abs)
 
     return rule
+
+
+# Feature rules: a feature list chosen from the calibration data itself, dataset by dataset.
+# `guarduq calibrate --features sign-stable` and `make calibrator` use them.
+FEATURE_RULES: dict[str, str] = {
+    "sign-stable": "the free features whose standardised coefficient has the same sign on every "
+    "calibration dataset fitted alone (needs >= 2 datasets; chosen by leave-one-dataset-out in "
+    "docs/results/risk.md)",
+}
+
+
+def select_features(
+    rule: str,
+    groups: Mapping[str, Labelled],
+    base: Sequence[str],
+    C: float | str = "cv",
+    min_abs: float = 0.05,
+) -> tuple[str, ...]:
+    """The features ``rule`` keeps out of ``base``, judged on ``groups`` (dataset -> fit data).
+
+    Why a rule and not a fixed set: which features keep their direction depends on the model and
+    the traffic, so it is read off the calibration data, as the leave-one-dataset-out comparison
+    did when it chose the rule (without ever seeing the left-out dataset).
+    """
+    if rule not in FEATURE_RULES:
+        raise CalibrationError(f"unknown feature rule {rule!r}; choose from {sorted(FEATURE_RULES)}")
+    coefs = coefficient_signs(groups, base, C)
+    if len(coefs) < 2:
+        raise CalibrationError(
+            f"--features {rule} compares coefficient signs across datasets: it needs at least 2 "
+            f"datasets that can each be fitted (both labels, >= {MIN_FIT_ITEMS} items in the fit "
+            f"split), got {len(coefs)} of {len(groups)}; name a feature set instead"
+        )
+    return sign_stable(coefs, min_abs) or tuple(base)
 
 
 def robust_single(train: Mapping[str, Labelled], base: Sequence[str]) -> tuple[str, ...]:

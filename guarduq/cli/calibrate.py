@@ -24,6 +24,7 @@ from guarduq.calibration import (
     Calibrator,
     Evaluation,
 )
+from guarduq.calibration.analysis import FEATURE_RULES
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
 from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
@@ -49,8 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"accepted answers (repeatable; default {' '.join(map(str, DEFAULT_ALPHAS))})")
     c.add_argument("--delta", type=float, default=0.1, help="allowed probability that a guarantee fails")
     c.add_argument("--features", default=DEFAULT_FEATURE_SET,
-                   help=f"a feature set ({', '.join(FEATURE_SETS)}; default {DEFAULT_FEATURE_SET}) "
-                   f"or comma-separated features from: {', '.join(FEATURES)}")
+                   help=f"a feature set ({', '.join(FEATURE_SETS)}; default {DEFAULT_FEATURE_SET}), "
+                   f"a rule that picks them from the data ({', '.join(FEATURE_RULES)}: "
+                   f"{FEATURE_RULES['sign-stable']}) or comma-separated features from: "
+                   f"{', '.join(FEATURES)}")
     c.add_argument("--C", dest="C", default="cv",
                    help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
                    "by stratified cross-validation")
@@ -240,7 +243,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     C = _parse_C(args.C)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
-    cal = Calibrator(args.features, C=C)  # validates features before the slow part
+    rule = args.features if args.features in FEATURE_RULES else None
+    if rule and len(set(args.dataset or ())) < 2:
+        raise InputError(f"--features {rule} compares datasets: give at least 2 --dataset/--data "
+                         "pairs of different kinds")
+    # validates features before the slow part (a rule chooses among the same-pass ones later)
+    cal = Calibrator(FEATURE_SETS["same-pass"] if rule else args.features, C=C)
     features = cal.feature_set or cal.features
     for a in alphas:
         if not 0 < a < 1:
@@ -263,7 +271,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             )
     for warning in _size_warnings(parts, alphas, args.delta, fractions):
         print(f"warning: {warning}", file=sys.stderr)
+    if rule:
+        features = _apply_rule(rule, parts["fit"], C)
     cal = Calibrator(features, C=C, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
+    if rule:
+        cal.feature_set = rule  # the artifact records how its features were chosen
     cal.split_ = fractions
     cal.fit(*_xy(parts["fit"])[:2])
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
@@ -304,6 +316,21 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )
     _emit(args, payload, evaluation, header)
     return 0
+
+
+def _apply_rule(rule: str, fit: Sequence[Any], C: float | str) -> tuple[str, ...]:
+    """The features ``rule`` keeps, judged on the fit split dataset by dataset (the threshold and
+    test splits stay unseen), out of the free features these scores carry."""
+    import numpy as np
+
+    from guarduq.calibration.analysis import available, select_features
+
+    by_ds: dict[str, list[Any]] = {}
+    for r in fit:
+        by_ds.setdefault(r.dataset, []).append(r)
+    groups = {d: ([r.scores for r in rs], np.array([int(r.label) for r in rs])) for d, rs in by_ds.items()}
+    base = available([r.scores for r in fit], FEATURE_SETS["same-pass"])
+    return select_features(rule, groups, base, C)
 
 
 def _parse_C(text: str) -> float | str:

@@ -20,11 +20,13 @@ from guarduq.calibration.analysis import (
     leave_one_dataset_out,
     robust_single,
     robust_single_rule,
+    select_features,
     sign_stable,
     sign_stable_rule,
 )
 from guarduq.calibration.evaluation import ScoredItem
 from guarduq.calibration.features import FEATURE_SETS
+from guarduq.errors import CalibrationError
 
 ROOT = Path(__file__).resolve().parents[2]
 # log_epistemic's direction: + on a and b, - on c and d; mean_logprob: the same on all four.
@@ -64,6 +66,21 @@ def test_sign_flip_is_found() -> None:
     assert all(c["mean_logprob"] < 0 for c in coefs.values())
     stable = sign_stable(coefs)
     assert "mean_logprob" in stable and "log_epistemic" not in stable
+
+
+def test_select_features_sign_stable_rule() -> None:
+    base = FEATURE_SETS["paper+likelihood"]
+    kept = select_features("sign-stable", GROUPS, base)
+    assert "mean_logprob" in kept and "log_epistemic" not in kept
+    # Two datasets that agree on epistemic's direction keep it: the rule reads the data given.
+    assert "log_epistemic" in select_features("sign-stable", {k: GROUPS[k] for k in ("a", "b")}, base)
+    with pytest.raises(CalibrationError, match="at least 2 datasets"):
+        select_features("sign-stable", {"a": GROUPS["a"]}, base)
+    scores, y = GROUPS["b"]  # a one-class dataset cannot be fitted, so it does not count
+    with pytest.raises(CalibrationError, match="got 1 of 2"):
+        select_features("sign-stable", {"a": GROUPS["a"], "x": (scores, np.ones_like(y))}, base)
+    with pytest.raises(CalibrationError, match="unknown feature rule"):
+        select_features("lucky", GROUPS, base)
 
 
 def test_lodo_prefers_the_sign_stable_choice() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from guarduq.calibration import Calibrator
@@ -59,6 +60,46 @@ def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_dir: Path, capsys: 
     assert Calibrator.load(tmp_path / "b.json").costly_features == ("p_true",)
     assert main(["calibrate", *common, "--C", "-1", "--out", str(tmp_path / "c.json")]) == 2
     assert "--C must be > 0" in capsys.readouterr().err
+
+
+def _arc_rows(n: int) -> list[dict]:
+    words = ["whale", "shark", "trout", "otter", "eagle", "cobra", "moose", "heron", "gecko", "bison"]
+    return [{"id": f"q{i}", "question": {"stem": f"Which of these is animal number {i}?", "choices": [
+        {"text": words[(i + k) % 10], "label": "ABC"[k]} for k in range(3)]}, "answerKey": "ABC"[i % 3]}
+        for i in range(n)]
+
+
+def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from guarduq.calibration.analysis import available, select_features
+    from guarduq.calibration.datasets import split_of
+    from guarduq.calibration.features import FEATURE_SETS
+
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text("".join(json.dumps(r) + "\n" for r in _arc_rows(60)))
+    common = ["--model", str(tiny_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs")]
+    one = ["--dataset", "jsonl", "--data", str(EXAMPLE)]
+    # One dataset: refused before any scoring, with the reason.
+    assert main(["calibrate", *common, *one, "--features", "sign-stable", "--out", str(tmp_path / "x.json")]) == 2
+    assert "at least 2 --dataset" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    two = [*one, "--dataset", "arc", "--data", str(arc)]
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", *common, *two, "--features", "sign-stable", "--json", "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    cal = Calibrator.load(out)
+    assert res["feature_set"] == cal.feature_set == "sign-stable"
+    # The same rule, applied by hand to the fit split of the cached scores, keeps the same features.
+    groups: dict[str, tuple[list, list]] = {}
+    for cache in (tmp_path / "runs" / "cache").rglob("*.jsonl"):
+        for r in ScoreCache(cache).entries.values():
+            if r.usable and split_of(r.id) == "fit":
+                groups.setdefault(r.dataset, ([], []))[0].append(r.scores)
+                groups[r.dataset][1].append(int(r.label))
+    assert set(groups) == {"jsonl", "arc"}
+    base = available([s for g in groups.values() for s in g[0]], FEATURE_SETS["same-pass"])
+    expected = select_features("sign-stable", {k: (v[0], np.array(v[1])) for k, v in groups.items()}, base)
+    assert cal.features == expected and set(res["coefficients"]) == set(expected)
 
 
 def test_guard_serves_a_p_true_calibrator(llama, tokenizer) -> None:  # type: ignore[no-untyped-def]
