@@ -88,7 +88,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", action="append", choices=sorted(DATASETS), required=True,
                    help="dataset kind; pair each with a --data (repeatable, to mix datasets)")
     p.add_argument("--data", action="append", type=Path, required=True, help="path of the dataset file")
-    p.add_argument("--limit", type=int, help="at most N items per dataset (a stable subset)")
+    p.add_argument("--limit", action="append", metavar="N|DATASET=N",
+                   help="at most N items per dataset (a stable subset); DATASET=N gives one dataset "
+                   "its own limit (repeatable: --limit 450 --limit boolq=300)")
     p.add_argument("--prompt-style", choices=("auto", *PROMPT_STYLES), default="auto",
                    help="'fewshot' for base models; 'auto' picks it when the tokenizer has no chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length for QA items")
@@ -109,10 +111,31 @@ def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
             f"--dataset and --data come in pairs: got {len(args.dataset)} --dataset and "
             f"{len(args.data)} --data"
         )
+    limits = _limits(args.limit or (), args.dataset)
     return [
-        load_dataset(name, path, prompt_style=style, skip_malformed=args.skip_malformed, limit=args.limit)
+        load_dataset(name, path, prompt_style=style, skip_malformed=args.skip_malformed,
+                     limit=limits.get(name, limits.get("")))
         for name, path in zip(args.dataset, args.data, strict=True)
     ]
+
+
+def _limits(specs: Sequence[str], names: Sequence[str]) -> dict[str, int]:
+    """``--limit`` values as {dataset: N}, with "" for the one that applies to every other dataset."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, _, value = spec.rpartition("=")
+        if name and name not in names:
+            raise InputError(f"--limit {spec}: no --dataset {name!r} (given: {', '.join(names)})")
+        try:
+            n = int(value)
+        except ValueError:
+            raise InputError(f"--limit takes N or DATASET=N, got {spec!r}") from None
+        if n < 1:
+            raise InputError(f"--limit must be >= 1, got {spec}")
+        if name in out:
+            raise InputError(f"--limit given twice for {name or 'every dataset'}")
+        out[name] = n
+    return out
 
 
 def _score_all(
@@ -127,8 +150,7 @@ def _score_all(
     """
     from guarduq.calibration.evaluation import add_p_true, check_guard_errors, score_dataset
 
-    if args.limit is not None and args.limit < 1:
-        raise InputError(f"--limit must be >= 1, got {args.limit}")
+    _limits(args.limit or (), args.dataset)  # fails fast, before the model loads
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     style = "instruct" if args.prompt_style == "auto" else args.prompt_style

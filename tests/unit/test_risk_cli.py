@@ -84,8 +84,14 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_d
     assert "at least 2 --dataset" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
     two = [*one, "--dataset", "arc", "--data", str(arc)]
+    # Per-dataset limits: bad ones are refused before any scoring too.
+    for bad, msg in (("boolq=5", "no --dataset 'boolq'"), ("arc=0", "must be >= 1"), ("x", "N or DATASET=N")):
+        assert main(["calibrate", *common, *two, "--limit", bad, "--out", str(tmp_path / "x.json")]) == 2
+        assert msg in capsys.readouterr().err
+    assert not list((tmp_path / "runs").rglob("*.jsonl"))  # nothing scored
     out = tmp_path / "cal.json"
-    assert main(["calibrate", *common, *two, "--features", "sign-stable", "--json", "--out", str(out)]) == 0
+    assert main(["calibrate", *common, *two, "--limit", "arc=50", "--features", "sign-stable", "--json",
+                 "--out", str(out)]) == 0
     res = json.loads(capsys.readouterr().out)
     cal = Calibrator.load(out)
     assert res["feature_set"] == cal.feature_set == "sign-stable"
@@ -97,6 +103,7 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_d
                 groups.setdefault(r.dataset, ([], []))[0].append(r.scores)
                 groups[r.dataset][1].append(int(r.label))
     assert set(groups) == {"jsonl", "arc"}
+    assert {d: v["n"] for d, v in res["datasets"].items()} == {"jsonl": 20, "arc": 50}
     base = available([s for g in groups.values() for s in g[0]], FEATURE_SETS["same-pass"])
     expected = select_features("sign-stable", {k: (v[0], np.array(v[1])) for k, v in groups.items()}, base)
     assert cal.features == expected and set(res["coefficients"]) == set(expected)
