@@ -40,10 +40,17 @@ def policy_guard(real_guard, tmp_path_factory) -> Guard:
 
 
 def test_default_policy_allows_and_abstains_on_real_answers(policy_guard):
-    # default.yaml allows when calibrated risk <= a bound (read from the file, not from the code)
+    # default.yaml allows when calibrated risk <= a bound (read from the file, not from the code):
+    # a number, or `threshold`, the risk threshold the calibrator certified for the policy's alpha
     rule = yaml.safe_load(DEFAULT_POLICY.read_text())["rules"][0]
     assert rule["action"] == "allow"
-    threshold = float(rule["when"]["risk"]["le"])
+    bound = rule["when"]["risk"]["le"]
+    if bound == "threshold":
+        threshold = policy_guard.policy.risk_threshold
+        assert threshold == policy_guard.calibrator.threshold_for(policy_guard.policy.alpha)
+        assert threshold is not None, "the default policy's alpha has no certified threshold"
+    else:
+        threshold = float(bound)
     results = [policy_guard.guarded(p, r) for p, r in PAIRS]
     for res in results:
         d = res.decision
