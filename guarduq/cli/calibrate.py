@@ -24,7 +24,7 @@ from guarduq.calibration import (
     Calibrator,
     Evaluation,
 )
-from guarduq.calibration.analysis import FEATURE_RULES
+from guarduq.calibration.analysis import FEATURE_RULES, available, select_features
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
 from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
@@ -150,7 +150,6 @@ def _score_all(
     """
     from guarduq.calibration.evaluation import add_p_true, check_guard_errors, score_dataset
 
-    _limits(args.limit or (), args.dataset)  # fails fast, before the model loads
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     style = "instruct" if args.prompt_style == "auto" else args.prompt_style
@@ -266,7 +265,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     C = _parse_C(args.C)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
     rule = args.features if args.features in FEATURE_RULES else None
-    if rule and len(set(args.dataset or ())) < 2:
+    if rule and len(set(args.dataset)) < 2:
         raise InputError(f"--features {rule} compares datasets: give at least 2 --dataset/--data "
                          "pairs of different kinds")
     # validates features before the slow part (a rule chooses among the same-pass ones later)
@@ -345,12 +344,13 @@ def _apply_rule(rule: str, fit: Sequence[Any], C: float | str) -> tuple[str, ...
     test splits stay unseen), out of the free features these scores carry."""
     import numpy as np
 
-    from guarduq.calibration.analysis import available, select_features
-
     by_ds: dict[str, list[Any]] = {}
     for r in fit:
         by_ds.setdefault(r.dataset, []).append(r)
-    groups = {d: ([r.scores for r in rs], np.array([int(r.label) for r in rs])) for d, rs in by_ds.items()}
+    groups = {}
+    for d, rs in by_ds.items():
+        scores, labels, _ = _xy(rs)
+        groups[d] = (scores, np.array(labels))
     base = available([r.scores for r in fit], FEATURE_SETS["same-pass"])
     return select_features(rule, groups, base, C)
 
