@@ -51,6 +51,7 @@ from guarduq.calibration.thresholds import (
     check_guarantees,
     clopper_pearson_upper,
     default_grid,
+    expected_start,
     select_threshold,
     start_size,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "compute_metrics",
     "default_grid",
     "ece",
+    "expected_start",
     "feature_matrix",
     "prr",
     "reliability_bins",

@@ -68,6 +68,28 @@ def start_size(alpha: float, delta: float) -> int:
     return n
 
 
+def expected_start(risk: np.ndarray, alpha: float, delta: float) -> int:
+    """Where the calibrator itself expects the fixed-sequence test to be strongest (label-free).
+
+    If the risks are calibrated, the n lowest-risk answers hold about ``k(n) = sum of their risks``
+    errors, so the test at that point would see a p-value near ``P(Bin(n, alpha) <= k(n))``. The
+    n that minimises it is where a test is most likely to pass. Starting stricter spends the
+    whole sequence on a handful of the lowest-risk answers, where a few confidently wrong ones
+    (which real calibrators do produce) fail the first test and stop everything.
+
+    It reads the unlabelled risks, alpha and delta only, so the start is fixed before any label
+    is seen and the fixed-sequence guarantee is untouched. Risks outside [0, 1] are not
+    probabilities; then it returns 1 and the caller's floor decides.
+    """
+    r = np.sort(np.asarray(risk, dtype=float))
+    if r.size == 0 or not np.all((r >= 0) & (r <= 1)):
+        return 1
+    n = np.arange(1, r.size + 1)
+    pvals = stats.binom.cdf(np.floor(np.cumsum(r)), n, alpha)
+    pvals[n < start_size(alpha, delta)] = np.inf
+    return int(np.argmin(pvals)) + 1
+
+
 def select_threshold(
     risk: np.ndarray,
     wrong: np.ndarray,
@@ -85,9 +107,10 @@ def select_threshold(
 
     Where the sequence starts matters: with a handful of accepted items one unlucky error fails
     the first test and stops everything. So it starts at the first threshold accepting at least
-    ``min_accepted`` items (default :func:`start_size`: enough that an observed error rate of
-    alpha / 2 would pass). That choice uses alpha, delta and the unlabelled risks only, so the
-    family-wise guarantee P(error(t*) > alpha) <= delta still holds.
+    ``min_accepted`` items. The default is the larger of :func:`start_size` (enough that an
+    observed error rate of alpha / 2 would pass) and :func:`expected_start` (where the risks
+    themselves expect the test to be strongest). Both use alpha, delta and the unlabelled risks
+    only, so the family-wise guarantee P(error(t*) > alpha) <= delta still holds.
     """
     _check_targets(alpha, delta)
     risk = np.asarray(risk, dtype=float)
@@ -99,7 +122,10 @@ def select_threshold(
     n_acc = np.searchsorted(sorted_risk, grid, side="right")
     cum_err = np.concatenate([[0], np.cumsum(sorted_wrong)])
     k_acc = cum_err[n_acc]
-    n_min = start_size(alpha, delta) if min_accepted is None else max(1, int(min_accepted))
+    if min_accepted is None:
+        n_min = max(start_size(alpha, delta), expected_start(risk, alpha, delta))
+    else:
+        n_min = max(1, int(min_accepted))
     testable = np.flatnonzero(n_acc >= n_min)
     best: int | None = None
     if testable.size:
@@ -123,7 +149,7 @@ def select_threshold(
             message=(
                 f"no risk threshold keeps the error rate <= {alpha:g} with confidence "
                 f"{1 - delta:g} on these {n} calibration items; nothing would be accepted "
-                f"(need at least {n_min} items accepted with few errors)"
+                f"(the test starts at {n_min} accepted items and failed there)"
             ),
         )
     na, ka = int(n_acc[best]), int(k_acc[best])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 from sklearn.pipeline import make_pipeline
@@ -23,8 +24,10 @@ from guarduq.calibration import (
     brier,
     clopper_pearson_upper,
     ece,
+    expected_start,
     prr,
     select_threshold,
+    start_size,
 )
 from guarduq.calibration.report import FIGURES, write_report
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
@@ -388,3 +391,27 @@ def test_report_writes_html_and_pngs(tmp_path: Path) -> None:
 def test_threshold_dataclass_round_trips() -> None:
     t = Threshold(0.2, 0.1, 0.3, 0.5, 100, 50, 5, 0.1, 0.18)
     assert Threshold(**json.loads(json.dumps(t.__dict__))) == t and t.met
+
+
+def test_the_sequence_starts_where_the_risks_expect_it_to_pass() -> None:
+    """A calibrator's lowest risks often hold a few confident errors. Starting at the strictest
+    testable threshold fails there and certifies nothing; starting where the (unlabelled) risks
+    expect the test to be strongest gets past them, and the certified error still meets alpha."""
+    rng = np.random.default_rng(7)
+    n, alpha, delta = 400, 0.3, 0.1
+    r = np.sort(rng.uniform(0.0, 0.8, size=n))
+    wrong = (rng.uniform(size=n) < r).astype(int)
+    wrong[:6] = 1  # the six most confident answers are wrong
+    strict = select_threshold(r, wrong, alpha, delta, min_accepted=start_size(alpha, delta))
+    assert strict.threshold is None
+    start = expected_start(r, alpha, delta)
+    # Independent expectation of the start: the n minimising P(Bin(n, alpha) <= sum of n lowest risks).
+    pv = [stats.binom.cdf(math.floor(r[:m].sum()), m, alpha) for m in range(1, n + 1)]
+    pv[: start_size(alpha, delta) - 1] = [math.inf] * (start_size(alpha, delta) - 1)
+    assert start == int(np.argmin(pv)) + 1 and start > start_size(alpha, delta)
+    t = select_threshold(r, wrong, alpha, delta)
+    assert t.threshold is not None and t.n_accepted >= start
+    assert t.error_rate is not None and t.error_rate <= alpha
+    assert t.upper_bound is not None and t.upper_bound <= alpha + 1e-9  # the test and its bound agree
+    # Not probabilities: no expectation to start from, so the floor (start_size) decides.
+    assert expected_start(r * 10, alpha, delta) == 1
