@@ -51,9 +51,9 @@ from guarduq.calibration.thresholds import (
     check_guarantees,
     clopper_pearson_upper,
     default_grid,
-    expected_start,
     select_threshold,
     start_size,
+    start_threshold,
 )
 
 __all__ = [
@@ -88,7 +88,6 @@ __all__ = [
     "compute_metrics",
     "default_grid",
     "ece",
-    "expected_start",
     "feature_matrix",
     "prr",
     "reliability_bins",
@@ -97,4 +96,5 @@ __all__ = [
     "select_threshold",
     "signal_values",
     "start_size",
+    "start_threshold",
 ]

@@ -11,7 +11,9 @@ Raw gradient norms live on a model-specific scale, so each model gets its own ``
    answers) pick the loosest risk threshold whose accepted set has error <= alpha with probability
    >= 1 - delta. Each candidate threshold is a hypothesis test with an exact binomial
    (Clopper-Pearson) bound, tested in a fixed sequence from strict to loose (Learn-then-Test);
-   the sequence stops at the first failure, so no multiplicity correction is needed.
+   the sequence stops at the first failure, so no multiplicity correction is needed. It starts
+   where the fit split gives the strongest evidence (``thresholds.start_threshold``), not among
+   the few lowest risks, where one confident error would stop it at once.
    Use labels the risk model was not fitted on (see ``datasets.split_of``).
 3. ``evaluate``: AUROC per raw signal and for the risk, ECE / Brier before and after calibration,
    risk-coverage curve (AURC), prediction rejection ratio (PRR), and whether each guarantee held.
@@ -59,6 +61,7 @@ from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.thresholds import (
     Threshold,
     select_threshold,
+    start_threshold,
 )
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 
@@ -118,6 +121,7 @@ class _ThresholdModel(BaseModel):
     error_rate: float | None
     upper_bound: float | None
     message: str | None = None
+    start: float | None = None  # absent in artifacts written before it existed
 
 
 class _DatasetRef(BaseModel):
@@ -226,6 +230,8 @@ class Calibrator:
         pipe = _pipeline(C).fit(X, target)
         self.pipeline_ = pipe
         self.C_ = C
+        # Kept in memory only, for fit_thresholds to learn where its test should start.
+        self.fit_risk_, self.fit_wrong_ = pipe.predict_proba(X)[:, 1], target
         self.n_fit_ = int(y.size)
         self.reference_ = reference_quantiles(
             [sc for sc, keep in zip(scores, ok, strict=True) if keep], drift_features(self.features)
@@ -305,12 +311,21 @@ class Calibrator:
         wrong = 1 - y[ok]
         if wrong.size == 0:
             raise CalibrationError("no valid items to choose thresholds on")
-        self.thresholds_ = [select_threshold(risk, wrong, a, delta) for a in sorted(set(alphas))]
+        self.thresholds_ = [
+            select_threshold(risk, wrong, a, delta, start=self._start(a, delta))
+            for a in sorted(set(alphas))
+        ]
         for t in self.thresholds_:
             if t.threshold is None:
                 log.warning("threshold_not_met", alpha=t.alpha, delta=t.delta, message=t.message)
         self._sha256 = None
         return self.thresholds_
+
+    def _start(self, alpha: float, delta: float) -> float | None:
+        """Where the threshold test starts, learned on the fit split (None after ``load``)."""
+        if getattr(self, "fit_risk_", None) is None:
+            return None
+        return start_threshold(self.fit_risk_, self.fit_wrong_, alpha, delta)
 
     def threshold_for(self, alpha: float) -> float | None:
         """The certified threshold for ``alpha`` (None when none met it or it was not asked for)."""

@@ -51,7 +51,8 @@ def calibration_warnings(
     """Plain-language warnings (empty when the set is large and balanced enough).
 
     The minimum per alpha is the larger of the zero-error Clopper-Pearson floor and
-    :func:`~guarduq.calibration.thresholds.start_size`, where ``select_threshold`` starts testing.
+    :func:`~guarduq.calibration.thresholds.start_size`, where ``select_threshold``'s first
+    sequence starts testing.
 
     Each names how many labelled answers (in all, given the split fractions) would be needed.
     """

@@ -39,6 +39,7 @@ class Threshold:
     error_rate: float | None
     upper_bound: float | None  # Clopper-Pearson (1 - delta) upper bound on the error rate
     message: str | None = None
+    start: float | None = None  # the strictest threshold tested, learned on other data (None: start_size)
 
     @property
     def met(self) -> bool:
@@ -68,26 +69,56 @@ def start_size(alpha: float, delta: float) -> int:
     return n
 
 
-def expected_start(risk: np.ndarray, alpha: float, delta: float) -> int:
-    """Where the calibrator itself expects the fixed-sequence test to be strongest (label-free).
+def _accepted(
+    risk: np.ndarray, wrong: np.ndarray, grid: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each grid threshold t: the sorted grid, answers accepted (risk <= t), errors among them."""
+    risk = np.asarray(risk, dtype=float)
+    wrong = np.asarray(wrong, dtype=int)
+    grid = default_grid() if grid is None else np.sort(np.asarray(grid, dtype=float))
+    order = np.argsort(risk, kind="stable")
+    n_acc = np.searchsorted(risk[order], grid, side="right")
+    k_acc = np.concatenate([[0], np.cumsum(wrong[order])])[n_acc]
+    return grid, n_acc, k_acc
 
-    If the risks are calibrated, the n lowest-risk answers hold about ``k(n) = sum of their risks``
-    errors, so the test at that point would see a p-value near ``P(Bin(n, alpha) <= k(n))``. The
-    n that minimises it is where a test is most likely to pass. Starting stricter spends the
-    whole sequence on a handful of the lowest-risk answers, where a few confidently wrong ones
-    (which real calibrators do produce) fail the first test and stop everything.
 
-    It reads the unlabelled risks, alpha and delta only, so the start is fixed before any label
-    is seen and the fixed-sequence guarantee is untouched. Risks outside [0, 1] are not
-    probabilities; then it returns 1 and the caller's floor decides.
+def start_threshold(
+    risk: np.ndarray,
+    wrong: np.ndarray,
+    alpha: float,
+    delta: float,
+    grid: np.ndarray | None = None,
+) -> float | None:
+    """Where the fixed sequence should start, learned on labelled data the test never sees.
+
+    The sequence stops at its first failure, so a start among the lowest risks, where calibrators
+    put a few confidently wrong answers, can stop it at once. On independent labelled data (the
+    calibrator's fit split) this picks the grid threshold whose binomial p-value is smallest
+    there, i.e. where the evidence that the error is <= alpha is strongest; thresholds accepting
+    fewer than :func:`start_size` answers are not considered. None when none is testable.
+
+    The threshold split plays no part in this choice, so the sequence ``select_threshold`` runs
+    from it is fixed before those labels are read. The argmin is chosen in-sample and can be
+    optimistic, which is why that sequence runs beside the default one, not instead of it.
     """
-    r = np.sort(np.asarray(risk, dtype=float))
-    if r.size == 0 or not np.all((r >= 0) & (r <= 1)):
-        return 1
-    n = np.arange(1, r.size + 1)
-    pvals = stats.binom.cdf(np.floor(np.cumsum(r)), n, alpha)
-    pvals[n < start_size(alpha, delta)] = np.inf
-    return int(np.argmin(pvals)) + 1
+    _check_targets(alpha, delta)
+    grid, n_acc, k_acc = _accepted(risk, wrong, grid)
+    ok = n_acc >= start_size(alpha, delta)
+    if not ok.any():
+        return None
+    pvals = np.where(ok, stats.binom.cdf(k_acc, np.maximum(n_acc, 1), alpha), np.inf)
+    return float(grid[int(np.argmin(pvals))])
+
+
+def _fixed_sequence(
+    n_acc: np.ndarray, k_acc: np.ndarray, idx: np.ndarray, alpha: float, delta: float
+) -> int | None:
+    """Test grid points ``idx`` in order at level delta; the last rejected before the first failure."""
+    if not idx.size:
+        return None
+    failed = np.flatnonzero(stats.binom.cdf(k_acc[idx], n_acc[idx], alpha) > delta)
+    last = failed[0] - 1 if failed.size else idx.size - 1
+    return int(idx[last]) if last >= 0 else None
 
 
 def select_threshold(
@@ -97,6 +128,7 @@ def select_threshold(
     delta: float,
     grid: np.ndarray | None = None,
     min_accepted: int | None = None,
+    start: float | None = None,
 ) -> Threshold:
     """Learn-then-Test with a fixed sequence, strict -> loose.
 
@@ -107,35 +139,34 @@ def select_threshold(
 
     Where the sequence starts matters: with a handful of accepted items one unlucky error fails
     the first test and stops everything. So it starts at the first threshold accepting at least
-    ``min_accepted`` items. The default is the larger of :func:`start_size` (enough that an
-    observed error rate of alpha / 2 would pass) and :func:`expected_start` (where the risks
-    themselves expect the test to be strongest). Both use alpha, delta and the unlabelled risks
-    only, so the family-wise guarantee P(error(t*) > alpha) <= delta still holds.
+    ``min_accepted`` items (default :func:`start_size`: enough that an observed error rate of
+    alpha / 2 would pass). Given ``start`` (learned on other data by :func:`start_threshold`), a
+    second sequence runs from there, and each of the two is tested at delta / 2 (Bonferroni over
+    start points, as Learn-then-Test's multi-start fixed sequence does); the looser certified
+    threshold wins. Neither start reads these labels, so P(error(t*) > alpha) <= delta still
+    holds; ``upper_bound`` is then the Clopper-Pearson bound at delta / 2, the level tested.
     """
     _check_targets(alpha, delta)
-    risk = np.asarray(risk, dtype=float)
-    wrong = np.asarray(wrong, dtype=int)
-    grid = default_grid() if grid is None else np.sort(np.asarray(grid, dtype=float))
-    n = int(risk.size)
-    order = np.argsort(risk, kind="stable")
-    sorted_risk, sorted_wrong = risk[order], wrong[order]
-    n_acc = np.searchsorted(sorted_risk, grid, side="right")
-    cum_err = np.concatenate([[0], np.cumsum(sorted_wrong)])
-    k_acc = cum_err[n_acc]
-    if min_accepted is None:
-        n_min = max(start_size(alpha, delta), expected_start(risk, alpha, delta))
-    else:
-        n_min = max(1, int(min_accepted))
-    testable = np.flatnonzero(n_acc >= n_min)
-    best: int | None = None
-    if testable.size:
-        idx = testable
-        pvals = stats.binom.cdf(k_acc[idx], n_acc[idx], alpha)
-        failed = np.flatnonzero(pvals > delta)
-        last = failed[0] - 1 if failed.size else idx.size - 1
-        if last >= 0:
-            best = int(idx[last])
-    if best is None:
+    grid, n_acc, k_acc = _accepted(risk, wrong, grid)
+    n = int(np.asarray(risk).size)
+    n_min = start_size(alpha, delta) if min_accepted is None else max(1, int(min_accepted))
+    testable = n_acc >= n_min
+    sequences = [np.flatnonzero(testable)]
+    if start is not None:
+        sequences.append(np.flatnonzero(testable & (grid >= start)))
+    each = delta / len(sequences)
+    found = [b for idx in sequences if (b := _fixed_sequence(n_acc, k_acc, idx, alpha, each)) is not None]
+    if not found:
+        first = sequences[0]
+        if first.size:
+            why = (
+                f"the test starts at risk <= {grid[first[0]]:g}, accepting {int(n_acc[first[0]])} "
+                f"items with {int(k_acc[first[0]])} wrong, and fails there"
+            )
+            if start is not None:
+                why += f"; so does the one starting at risk <= {start:g}, learned on the fit split"
+        else:
+            why = f"need at least {n_min} items accepted with few errors"
         return Threshold(
             alpha=alpha,
             delta=delta,
@@ -148,10 +179,11 @@ def select_threshold(
             upper_bound=None,
             message=(
                 f"no risk threshold keeps the error rate <= {alpha:g} with confidence "
-                f"{1 - delta:g} on these {n} calibration items; nothing would be accepted "
-                f"(the test starts at {n_min} accepted items and failed there)"
+                f"{1 - delta:g} on these {n} calibration items; nothing would be accepted ({why})"
             ),
+            start=start,
         )
+    best = max(found)  # the grid ascends: the loosest certified threshold
     na, ka = int(n_acc[best]), int(k_acc[best])
     return Threshold(
         alpha=alpha,
@@ -162,7 +194,8 @@ def select_threshold(
         n_accepted=na,
         errors=ka,
         error_rate=ka / na if na else None,
-        upper_bound=clopper_pearson_upper(ka, na, delta),
+        upper_bound=clopper_pearson_upper(ka, na, each),
+        start=start,
     )
 
 

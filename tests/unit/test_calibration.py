@@ -24,10 +24,10 @@ from guarduq.calibration import (
     brier,
     clopper_pearson_upper,
     ece,
-    expected_start,
     prr,
     select_threshold,
     start_size,
+    start_threshold,
 )
 from guarduq.calibration.report import FIGURES, write_report
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
@@ -231,7 +231,8 @@ def test_fit_thresholds_uses_the_calibrated_risk() -> None:
     cal = Calibrator().fit(scores[:400], labels[:400])
     ts = cal.fit_thresholds(scores[400:], labels[400:], alphas=(0.3, 0.1), delta=0.05)
     assert [t.alpha for t in ts] == [0.1, 0.3]
-    direct = select_threshold(cal.predict_risk(scores[400:]), 1 - labels[400:], 0.3, 0.05)
+    start = start_threshold(cal.predict_risk(scores[:400]), 1 - labels[:400], 0.3, 0.05)
+    direct = select_threshold(cal.predict_risk(scores[400:]), 1 - labels[400:], 0.3, 0.05, start=start)
     assert ts[1] == direct
     assert cal.threshold_for(0.3) == direct.threshold and cal.threshold_for(0.25) is None
     with pytest.raises(CalibrationError, match="alpha"):
@@ -393,25 +394,69 @@ def test_threshold_dataclass_round_trips() -> None:
     assert Threshold(**json.loads(json.dumps(t.__dict__))) == t and t.met
 
 
-def test_the_sequence_starts_where_the_risks_expect_it_to_pass() -> None:
-    """A calibrator's lowest risks often hold a few confident errors. Starting at the strictest
-    testable threshold fails there and certifies nothing; starting where the (unlabelled) risks
-    expect the test to be strongest gets past them, and the certified error still meets alpha."""
-    rng = np.random.default_rng(7)
-    n, alpha, delta = 400, 0.3, 0.1
+def _confidently_wrong_draw(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Risk ~ U(0, 0.8), wrong ~ Bernoulli(risk), except that the six lowest risks are all wrong:
+    the confident errors real calibrators produce."""
     r = np.sort(rng.uniform(0.0, 0.8, size=n))
     wrong = (rng.uniform(size=n) < r).astype(int)
-    wrong[:6] = 1  # the six most confident answers are wrong
-    strict = select_threshold(r, wrong, alpha, delta, min_accepted=start_size(alpha, delta))
-    assert strict.threshold is None
-    start = expected_start(r, alpha, delta)
-    # Independent expectation of the start: the n minimising P(Bin(n, alpha) <= sum of n lowest risks).
-    pv = [stats.binom.cdf(math.floor(r[:m].sum()), m, alpha) for m in range(1, n + 1)]
-    pv[: start_size(alpha, delta) - 1] = [math.inf] * (start_size(alpha, delta) - 1)
-    assert start == int(np.argmin(pv)) + 1 and start > start_size(alpha, delta)
-    t = select_threshold(r, wrong, alpha, delta)
-    assert t.threshold is not None and t.n_accepted >= start
+    wrong[:6] = 1
+    return r, wrong
+
+
+def test_the_sequence_starts_where_the_fit_split_is_strongest() -> None:
+    rng = np.random.default_rng(7)
+    alpha, delta = 0.3, 0.1
+    fit_r, fit_w = _confidently_wrong_draw(rng, 500)
+    thr_r, thr_w = _confidently_wrong_draw(rng, 400)
+    # From the strictest testable threshold, the confident errors stop the sequence at once.
+    assert select_threshold(thr_r, thr_w, alpha, delta).threshold is None
+    start = start_threshold(fit_r, fit_w, alpha, delta)
+    # Independent expectation: loop over the grid, count by hand, keep the smallest p-value.
+    best_p, expect = math.inf, None
+    for t in np.round(np.linspace(0, 1, 1001), 6):
+        acc = fit_r <= t
+        if acc.sum() >= start_size(alpha, delta):
+            p = stats.binom.cdf(int(fit_w[acc].sum()), int(acc.sum()), alpha)
+            if p < best_p:
+                best_p, expect = p, float(t)
+    assert start == expect and 0.1 < start < 0.6
+    t = select_threshold(thr_r, thr_w, alpha, delta, start=start)
+    assert t.threshold is not None and t.threshold >= start and t.start == start
     assert t.error_rate is not None and t.error_rate <= alpha
     assert t.upper_bound is not None and t.upper_bound <= alpha + 1e-9  # the test and its bound agree
-    # Not probabilities: no expectation to start from, so the floor (start_size) decides.
-    assert expected_start(r * 10, alpha, delta) == 1
+    # Nothing testable on too little data: no start, and select_threshold falls back to start_size.
+    assert start_threshold(fit_r[:3], fit_w[:3], alpha, delta) is None
+
+
+def test_a_learned_start_keeps_the_guarantee() -> None:
+    """As test_guarantee_holds_across_draws_and_is_not_vacuous, with the start learned on a fresh
+    fit draw each time: the true error among risk <= t is t / 2, so t* violates alpha iff t* > 2 alpha.
+    Here the lowest risks hold no confident errors, so the second start only costs delta / 2."""
+    rng = np.random.default_rng(99)
+    alpha, delta, n, draws = 0.2, 0.1, 400, 300
+    chosen = []
+    for _ in range(draws):
+        fr = rng.uniform(size=n)
+        start = start_threshold(fr, (rng.uniform(size=n) < fr).astype(int), alpha, delta)
+        r = rng.uniform(size=n)
+        t = select_threshold(r, (rng.uniform(size=n) < r).astype(int), alpha, delta, start=start)
+        chosen.append(t.threshold if t.threshold is not None else -1.0)
+        if t.threshold is not None:  # the bound is taken at the level each sequence was tested at
+            assert t.upper_bound == pytest.approx(clopper_pearson_upper(t.errors, t.n_accepted, delta / 2))
+    chosen_arr = np.array(chosen)
+    assert np.mean(chosen_arr / 2 > alpha) <= delta + 2 * math.sqrt(delta * (1 - delta) / draws)
+    assert np.mean(chosen_arr > 0) > 0.8 and np.median(chosen_arr) > 0.2  # best possible: 0.4
+
+
+def test_fit_thresholds_starts_from_the_fit_split_and_records_it(tmp_path: Path) -> None:
+    scores, labels = synthetic(800, seed=5)
+    cal = Calibrator().fit(scores[:400], labels[:400])
+    ts = cal.fit_thresholds(scores[400:], labels[400:], alphas=(0.3,), delta=0.1)
+    fit_risk = cal.predict_risk(scores[:400])
+    expect = start_threshold(fit_risk, 1 - np.asarray(labels[:400]), 0.3, 0.1)
+    assert expect is not None and ts[0].start == pytest.approx(expect)
+    cal.save(tmp_path / "c.json")
+    back = Calibrator.load(tmp_path / "c.json")
+    assert back.thresholds_ == cal.thresholds_  # the start travels in the artifact
+    # A loaded calibrator has no fit split: its own fit_thresholds falls back to start_size.
+    assert back.fit_thresholds(scores[400:], labels[400:], alphas=(0.3,))[0].start is None
