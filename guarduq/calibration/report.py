@@ -270,11 +270,12 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
             "<h3>Thresholds chosen on the calibration split</h3>",
             "<p class='note'>Accept an answer when risk ≤ threshold. Each threshold is the loosest one whose "
             "accepted set has error ≤ α with probability ≥ 1 − δ (exact Clopper–Pearson test, fixed "
-            "sequence strict → loose).</p>",
+            "sequence strict → loose). Where a start is shown, a second sequence ran from it (the fit "
+            "split's strongest point), each at δ/2.</p>",
             _table(
-                ["α", "δ", "threshold", "coverage", "accepted", "errors", "upper bound", "note"],
-                [[t.alpha, t.delta, t.threshold, t.coverage, t.n_accepted, t.errors, t.upper_bound,
-                  t.message or ""] for t in cal.thresholds_],
+                ["α", "δ", "start", "threshold", "coverage", "accepted", "errors", "upper bound", "note"],
+                [[t.alpha, t.delta, t.start, t.threshold, t.coverage, t.n_accepted, t.errors,
+                  t.upper_bound, t.message or ""] for t in cal.thresholds_],
             ),
         ]
     by_name: dict[str, Mapping[str, Any]] = {"all": ev.metrics}

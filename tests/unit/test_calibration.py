@@ -29,7 +29,7 @@ from guarduq.calibration import (
     start_size,
     start_threshold,
 )
-from guarduq.calibration.report import FIGURES, write_report
+from guarduq.calibration.report import FIGURES, _fmt, write_report
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 from guarduq.scoring.uncertainty import Scores
 
@@ -385,6 +385,9 @@ def test_report_writes_html_and_pngs(tmp_path: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and name in html
     assert f"{cal.metrics_['auroc']['risk']:.3f}" in html
     assert FP in html
+    # Each threshold's learned start is shown beside it (it travels in the artifact).
+    assert all(t.start is not None for t in cal.thresholds_)
+    assert "<th>start</th>" in html and "".join(f"<td>{_fmt(t.start)}</td>" for t in cal.thresholds_[:1]) in html
     with pytest.raises(CalibrationError, match="nothing to report"):
         write_report(Calibrator().fit(*synthetic(50)), tmp_path / "x")
 
