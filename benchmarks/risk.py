@@ -7,7 +7,7 @@ more per model (merged, one record per item), opened read-only (a live cache bei
 * per dataset cell and for one calibrator pooled over every dataset: AUROC (bootstrap 95%
   interval) of each feature set's risk next to every single signal (each feature alone, oriented
   by its prior direction, and the best one chosen in hindsight on the test split), ECE,
-  risk-coverage curves, coverage at alpha = 0.3 / 0.4 / 0.5 (delta = 0.1) and whether each
+  risk-coverage curves, coverage at alpha = 0.3 ... 0.7 (delta = 0.1) and whether each
   guarantee held on the test split. Splits are guarduq's id-hash splits (``split_of``: 40% fit,
   30% threshold, 30% test, the same within every dataset; TruthfulQA gen/mc share a question's
   split);
@@ -69,7 +69,7 @@ from guarduq.calibration.features import (  # noqa: E402
 )
 from guarduq.calibration.metrics import risk_coverage  # noqa: E402
 
-ALPHAS = (0.3, 0.4, 0.5)
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7)  # the issue asks for 0.3-0.5; SmolLM2 is wrong 60-97% of the time
 DELTA = 0.1
 MIN_CELL = 300  # the issue's goals apply to cells with at least this many evaluated items
 ALL_SIGNALS = PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true", "sve_disagreement")
