@@ -88,14 +88,17 @@ def start_threshold(
     alpha: float,
     delta: float,
     grid: np.ndarray | None = None,
+    min_share: float = 0.05,
 ) -> float | None:
     """Where the fixed sequence should start, learned on labelled data the test never sees.
 
     The sequence stops at its first failure, so a start among the lowest risks, where calibrators
     put a few confidently wrong answers, can stop it at once. On independent labelled data (the
     calibrator's fit split) this picks the grid threshold whose binomial p-value is smallest
-    there, i.e. where the evidence that the error is <= alpha is strongest; thresholds accepting
-    fewer than :func:`start_size` answers are not considered. None when none is testable.
+    there, i.e. where the evidence that the error is <= alpha is strongest. Thresholds accepting
+    fewer than :func:`start_size` answers or ``min_share`` of them are not considered: at a loose
+    alpha a handful of right answers already gives a tiny p-value (0.3^5 = 0.002 at alpha 0.7),
+    a fluke that would not repeat on new data. None when none is testable.
 
     The threshold split plays no part in this choice, so the sequence ``select_threshold`` runs
     from it is fixed before those labels are read. The argmin is chosen in-sample and can be
@@ -103,7 +106,7 @@ def start_threshold(
     """
     _check_targets(alpha, delta)
     grid, n_acc, k_acc = _accepted(risk, wrong, grid)
-    ok = n_acc >= start_size(alpha, delta)
+    ok = n_acc >= max(start_size(alpha, delta), math.ceil(min_share * np.asarray(risk).size))
     if not ok.any():
         return None
     pvals = np.where(ok, stats.binom.cdf(k_acc, np.maximum(n_acc, 1), alpha), np.inf)

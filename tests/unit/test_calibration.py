@@ -463,3 +463,15 @@ def test_fit_thresholds_starts_from_the_fit_split_and_records_it(tmp_path: Path)
     assert back.thresholds_ == cal.thresholds_  # the start travels in the artifact
     # A loaded calibrator has no fit split: its own fit_thresholds falls back to start_size.
     assert back.fit_thresholds(scores[400:], labels[400:], alphas=(0.3,))[0].start is None
+
+
+def test_the_learned_start_ignores_a_handful_of_lucky_answers() -> None:
+    # Fit split: the 5 lowest risks right, then 115 wrong, then 60% wrong. At alpha 0.7 the five
+    # alone give p = 0.3^5 = 0.002, the smallest p-value anywhere: a fluke to start from.
+    alpha, delta = 0.7, 0.1
+    r = np.round(np.arange(400) / 400 + 1 / 800, 6)
+    wrong = np.r_[np.zeros(5, int), np.ones(115, int), np.tile([1, 1, 1, 0, 0], 56)]
+    fluke = start_threshold(r, wrong, alpha, delta, min_share=0.0)
+    assert fluke is not None and np.sum(r <= fluke) == 5  # without the floor it starts at the five
+    start = start_threshold(r, wrong, alpha, delta)  # at least 5% of the answers (20 here)
+    assert start is not None and np.sum(r <= start) >= 20
