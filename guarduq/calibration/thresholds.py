@@ -143,10 +143,10 @@ def select_threshold(
     Where the sequence starts matters: with a handful of accepted items one unlucky error fails
     the first test and stops everything. So it starts at the first threshold accepting at least
     ``min_accepted`` items (default :func:`start_size`: enough that an observed error rate of
-    alpha / 2 would pass). Given ``start`` (learned on other data by :func:`start_threshold`), a
-    second sequence runs from there, and each of the two is tested at delta / 2 (Bonferroni over
-    start points, as Learn-then-Test's multi-start fixed sequence does); the looser certified
-    threshold wins. Neither start reads these labels, so P(error(t*) > alpha) <= delta still
+    alpha / 2 would pass). Given ``start`` (learned on other data by :func:`start_threshold`)
+    past that first threshold, a second sequence runs from there, and each of the two is tested
+    at delta / 2 (Bonferroni over start points, as Learn-then-Test's multi-start fixed sequence
+    does); the looser certified threshold wins. Neither start reads these labels, so P(error(t*) > alpha) <= delta still
     holds; ``upper_bound`` is then the Clopper-Pearson bound at delta / 2, the level tested.
     """
     _check_targets(alpha, delta)
@@ -156,7 +156,9 @@ def select_threshold(
     testable = n_acc >= n_min
     sequences = [np.flatnonzero(testable)]
     if start is not None:
-        sequences.append(np.flatnonzero(testable & (grid >= start)))
+        learned = np.flatnonzero(testable & (grid >= start))
+        if 0 < learned.size < sequences[0].size:  # else nothing new: no need to split delta
+            sequences.append(learned)
     each = delta / len(sequences)
     found = [b for idx in sequences if (b := _fixed_sequence(n_acc, k_acc, idx, alpha, each)) is not None]
     if not found:
@@ -166,7 +168,7 @@ def select_threshold(
                 f"the test starts at risk <= {grid[first[0]]:g}, accepting {int(n_acc[first[0]])} "
                 f"items with {int(k_acc[first[0]])} wrong, and fails there"
             )
-            if start is not None:
+            if len(sequences) > 1:
                 why += f"; so does the one starting at risk <= {start:g}, learned on the fit split"
         else:
             why = f"need at least {n_min} items accepted with few errors"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -427,6 +428,12 @@ def test_the_sequence_starts_where_the_fit_split_is_strongest() -> None:
     assert t.threshold is not None and t.threshold >= start and t.start == start
     assert t.error_rate is not None and t.error_rate <= alpha
     assert t.upper_bound is not None and t.upper_bound <= alpha + 1e-9  # the test and its bound agree
+    # A start at or before the first testable threshold adds nothing: one sequence, the whole delta.
+    r = rng.uniform(size=400)
+    w = (rng.uniform(size=400) < r).astype(int)
+    alone = select_threshold(r, w, alpha, delta)
+    assert alone.threshold is not None
+    assert select_threshold(r, w, alpha, delta, start=0.0) == dataclasses.replace(alone, start=0.0)
     # Nothing testable on too little data: no start, and select_threshold falls back to start_size.
     assert start_threshold(fit_r[:3], fit_w[:3], alpha, delta) is None
 
@@ -444,8 +451,9 @@ def test_a_learned_start_keeps_the_guarantee() -> None:
         r = rng.uniform(size=n)
         t = select_threshold(r, (rng.uniform(size=n) < r).astype(int), alpha, delta, start=start)
         chosen.append(t.threshold if t.threshold is not None else -1.0)
-        if t.threshold is not None:  # the bound is taken at the level each sequence was tested at
-            assert t.upper_bound == pytest.approx(clopper_pearson_upper(t.errors, t.n_accepted, delta / 2))
+        if t.threshold is not None:  # the bound is taken at the level the sequences were tested at
+            levels = [clopper_pearson_upper(t.errors, t.n_accepted, d) for d in (delta, delta / 2)]
+            assert any(t.upper_bound == pytest.approx(b) for b in levels) and t.upper_bound <= alpha
     chosen_arr = np.array(chosen)
     assert np.mean(chosen_arr / 2 > alpha) <= delta + 2 * math.sqrt(delta * (1 - delta) / draws)
     assert np.mean(chosen_arr > 0) > 0.8 and np.median(chosen_arr) > 0.2  # best possible: 0.4
