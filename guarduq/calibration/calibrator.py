@@ -11,9 +11,10 @@ Raw gradient norms live on a model-specific scale, so each model gets its own ``
    answers) pick the loosest risk threshold whose accepted set has error <= alpha with probability
    >= 1 - delta. Each candidate threshold is a hypothesis test with an exact binomial
    (Clopper-Pearson) bound, tested in a fixed sequence from strict to loose (Learn-then-Test);
-   the sequence stops at the first failure, so no multiplicity correction is needed. It starts
-   where the fit split gives the strongest evidence (``thresholds.start_threshold``), not among
-   the few lowest risks, where one confident error would stop it at once.
+   the sequence stops at the first failure, so no multiplicity correction is needed. A second
+   sequence starts where the fit split gives the strongest evidence
+   (``thresholds.start_threshold``), each at delta / 2, so a few confidently wrong answers among
+   the lowest risks cannot stop everything at once.
    Use labels the risk model was not fitted on (see ``datasets.split_of``).
 3. ``evaluate``: AUROC per raw signal and for the risk, ECE / Brier before and after calibration,
    risk-coverage curve (AURC), prediction rejection ratio (PRR), and whether each guarantee held.

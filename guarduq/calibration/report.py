@@ -270,8 +270,8 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
             "<h3>Thresholds chosen on the calibration split</h3>",
             "<p class='note'>Accept an answer when risk ≤ threshold. Each threshold is the loosest one whose "
             "accepted set has error ≤ α with probability ≥ 1 − δ (exact Clopper–Pearson test, fixed "
-            "sequence strict → loose). Where a start is shown, a second sequence ran from it (the fit "
-            "split's strongest point), each at δ/2.</p>",
+            "sequence strict → loose). The start is the fit split's strongest point: when it lies past "
+            "the first testable threshold, a second sequence ran from it, each at δ/2.</p>",
             _table(
                 ["α", "δ", "start", "threshold", "coverage", "accepted", "errors", "upper bound", "note"],
                 [[t.alpha, t.delta, t.start, t.threshold, t.coverage, t.n_accepted, t.errors,

@@ -37,9 +37,9 @@ class Threshold:
     n_accepted: int
     errors: int
     error_rate: float | None
-    upper_bound: float | None  # Clopper-Pearson (1 - delta) upper bound on the error rate
+    upper_bound: float | None  # Clopper-Pearson upper bound on the error, at the level tested
     message: str | None = None
-    start: float | None = None  # the strictest threshold tested, learned on other data (None: start_size)
+    start: float | None = None  # a second sequence's start, learned on the fit split (None: none)
 
     @property
     def met(self) -> bool:
@@ -146,8 +146,9 @@ def select_threshold(
     alpha / 2 would pass). Given ``start`` (learned on other data by :func:`start_threshold`)
     past that first threshold, a second sequence runs from there, and each of the two is tested
     at delta / 2 (Bonferroni over start points, as Learn-then-Test's multi-start fixed sequence
-    does); the looser certified threshold wins. Neither start reads these labels, so P(error(t*) > alpha) <= delta still
-    holds; ``upper_bound`` is then the Clopper-Pearson bound at delta / 2, the level tested.
+    does); the looser certified threshold wins. Neither start reads these labels, so
+    P(error(t*) > alpha) <= delta still holds; ``upper_bound`` is then the Clopper-Pearson bound
+    at delta / 2, the level tested.
     """
     _check_targets(alpha, delta)
     grid, n_acc, k_acc = _accepted(risk, wrong, grid)
