@@ -157,6 +157,12 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
                                 note="free features whose sign agrees on every training dataset"))
     candidates.append(Candidate("robust-single", robust_single_rule(free),
                                 note="the one free feature with the best worst-case AUROC over the training datasets"))
+    candidates.append(Candidate("sign-stable/within", sign_stable_rule(free), within=True,
+                                note="the sign-stable features, directions learned within each training "
+                                     "dataset (one free intercept per dataset, one shared to serve)"))
+    if "same-pass" in sets:
+        candidates.append(Candidate("same-pass/within", sets["same-pass"], within=True,
+                                    note="every free feature, directions learned within each training dataset"))
     lodo = None
     chosen, reason = None, "fewer than 3 datasets: no leave-one-dataset-out"
     if len(datasets) >= 3:
@@ -172,12 +178,16 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         cand = next(c for c in candidates if c.name == chosen)
         show_sets[chosen] = cand.resolve({d: cells[d]["fit"] for d in datasets})
     cand_C = {c.name: c.C for c in candidates}
+    within = {c.name for c in candidates if c.within}
+    fit_names = {d: [r.dataset for r in (recs if d == "pooled" else by_ds[d])
+                     if split_of(group_of(r.id)) == "fit"] for d in cells}
     results: dict[str, dict[str, Any]] = {}
     singles: dict[str, dict[str, tuple[float | None, float | None, float | None]]] = {}
     for d in tqdm(list(cells), desc=f"{model} cells", file=sys.stderr):
         p = cells[d]
         results[d] = {
             s: fit_and_test(f, p["fit"], p["test"], threshold=p["threshold"], C=cand_C.get(s, "cv"),
+                            fit_groups=fit_names[d] if s in within else None,
                             alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
             for s, f in show_sets.items()
         }

@@ -36,13 +36,15 @@ FeatureChoice = tuple[str, ...] | Callable[[Mapping[str, Labelled]], tuple[str, 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A way to build a calibrator: a feature list (or a rule choosing it from training data)
-    and an L2 strength (``"cv"`` or a number)."""
+    """A way to build a calibrator: a feature list (or a rule choosing it from training data),
+    an L2 strength (``"cv"`` or a number), and whether directions are learned within each
+    training dataset (``Calibrator(within_groups=True)``) or across them."""
 
     name: str
     features: FeatureChoice
     C: float | str = "cv"
     note: str = ""
+    within: bool = False
 
     def resolve(self, train: Mapping[str, Labelled]) -> tuple[str, ...]:
         return self.features(train) if callable(self.features) else tuple(self.features)
@@ -99,18 +101,20 @@ def fit_and_test(
     *,
     threshold: Labelled | None = None,
     C: float | str = "cv",
+    fit_groups: Sequence[str] | None = None,
     alphas: Sequence[float] = (0.3, 0.4, 0.5),
     delta: float = 0.1,
     n_boot: int = 1000,
 ) -> dict[str, Any]:
     """Fit on ``fit``, choose thresholds on ``threshold`` (if given), measure on ``test``.
 
-    ``error`` is set instead of the metrics when the fit split cannot be fitted (too few items,
-    one class): the caller reports a dash, not a crash.
+    ``fit_groups`` (the dataset of each fit item) makes it a within-dataset fit. ``error`` is set
+    instead of the metrics when the fit split cannot be fitted (too few items, one class): the
+    caller reports a dash, not a crash.
     """
-    cal = Calibrator(tuple(features), C=C)  # type: ignore[arg-type]
+    cal = Calibrator(tuple(features), C=C, within_groups=fit_groups is not None)  # type: ignore[arg-type]
     try:
-        cal.fit(fit[0], fit[1])
+        cal.fit(fit[0], fit[1], groups=fit_groups)
     except CalibrationError as exc:
         return {"error": str(exc)}
     risk = cal.predict_risk(test[0])
@@ -310,11 +314,13 @@ def leave_one_dataset_out(
         scores, y = groups[left]
         wrong = 1 - np.asarray(y, int)
         res.rows[left], res.features[left] = {}, {}
+        fit_names = [k for k, (s, _) in train.items() for _ in s]  # each item's dataset
         for cand in candidates:
             feats = cand.resolve(train)
             res.features[left][cand.name] = feats
             m = fit_and_test(
-                feats, _pool(train), (scores, np.asarray(y, int)), C=cand.C, n_boot=n_boot
+                feats, _pool(train), (scores, np.asarray(y, int)), C=cand.C, n_boot=n_boot,
+                fit_groups=fit_names if cand.within else None,
             )
             res.rows[left][cand.name] = {k: v for k, v in m.items() if k != "risk"}
         sig = single_signals(scores, signals)

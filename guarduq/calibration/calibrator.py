@@ -41,7 +41,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
-from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
@@ -58,6 +57,7 @@ from guarduq.calibration.features import (
     missing_features,
     resolve_features,
 )
+from guarduq.calibration.logistic import fixed_pipeline, pipeline, ridge_logistic, within_fit
 from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.thresholds import (
     Threshold,
@@ -108,6 +108,7 @@ class _Logistic(BaseModel):
     intercept: float
     C: float
     cv: _CV | None = None
+    within: list[str] | None = None  # the groups a within-dataset fit learned from
 
 
 class _ThresholdModel(BaseModel):
@@ -162,8 +163,11 @@ class Calibrator:
     Parameters (set in ``__init__``, scikit-learn style): ``features`` (a set name from
     ``FEATURE_SETS``, a comma list, or a sequence of names in ``FEATURES``), ``C`` (inverse L2
     strength, or ``"cv"`` to choose it from ``cv_grid`` by stratified ``cv_folds``-fold
-    cross-validation), and the model's ``model_name`` / ``model_fingerprint`` the artifact is
-    bound to. Fitted state ends in ``_`` (``C_`` is the strength used, ``cv_`` the CV record).
+    cross-validation), ``within_groups`` (learn each feature's direction inside the groups given
+    to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`), and the
+    model's ``model_name`` / ``model_fingerprint`` the artifact is bound to. Fitted state ends in
+    ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
+    within).
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class Calibrator:
         C: float | Literal["cv"] = "cv",
         cv_grid: Sequence[float] = CV_GRID,
         cv_folds: int = CV_FOLDS,
+        within_groups: bool = False,
         model_name: str | None = None,
         model_fingerprint: str | None = None,
     ) -> None:
@@ -186,6 +191,7 @@ class Calibrator:
         self.C: float | str = C if C == "cv" else float(C)
         self.cv_grid = tuple(sorted(float(c) for c in cv_grid))
         self.cv_folds = int(cv_folds)
+        self.within_groups = bool(within_groups)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.thresholds_: list[Threshold] = []
@@ -194,6 +200,7 @@ class Calibrator:
         self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
         self.evaluation_: Evaluation | None = None
         self.cv_: dict[str, Any] | None = None
+        self.groups_: list[str] | None = None
         self._sha256: str | None = None
         self.created_: str | None = None
 
@@ -204,15 +211,25 @@ class Calibrator:
 
     # -- fitting
 
-    def fit(self, scores: Sequence[ScoreLike], labels: Iterable[Any]) -> Calibrator:
-        """Fit the scaler + logistic regression on valid rows (invalid ones are counted, excluded)."""
+    def fit(
+        self,
+        scores: Sequence[ScoreLike],
+        labels: Iterable[Any],
+        groups: Sequence[str] | None = None,
+    ) -> Calibrator:
+        """Fit the scaler + logistic regression on valid rows (invalid ones are counted, excluded).
+
+        ``groups`` (one name per item, e.g. its dataset) is needed by ``within_groups=True``.
+        """
         scores = list(scores)
+        codes, names = self._group_codes(groups, len(scores))
         missing = missing_features(scores, self.features)
         if missing and scores:
             raise CalibrationError("; ".join(missing.values()))
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
+        codes = codes[ok] if codes is not None else None
         self.n_fit_invalid_ = int((~ok).sum())
         if self.n_fit_invalid_:
             log.warning("calibration_invalid_excluded", n=self.n_fit_invalid_, n_total=len(scores))
@@ -227,8 +244,18 @@ class Calibrator:
                 "wrong answers (use more or different data)"
             )
         target = 1 - y  # wrong
-        C, self.cv_ = self._choose_C(X, target)
-        pipe = _pipeline(C).fit(X, target)
+        C, self.cv_ = self._choose_C(X, target, codes)
+        if codes is None:
+            pipe = pipeline(C).fit(X, target)
+            self.groups_ = None
+        else:
+            mean, scale = X.mean(axis=0), X.std(axis=0)
+            scale[scale == 0] = 1.0  # as StandardScaler does for a constant column
+            coef, intercept = within_fit((X - mean) / scale, target.astype(float), codes, C)
+            pipe = fixed_pipeline(mean, scale, coef, intercept, C, y.size)
+            present = np.unique(codes)
+            self.groups_ = [names[i] for i in present]
+            log.info("calibration_within_groups", groups=self.groups_)
         self.pipeline_ = pipe
         self.C_ = C
         # Kept in memory only, for fit_thresholds to learn where its test should start.
@@ -241,8 +268,29 @@ class Calibrator:
         self._sha256 = None
         return self
 
-    def _choose_C(self, X: np.ndarray, target: np.ndarray) -> tuple[float, dict[str, Any] | None]:
-        """The given C, or the CV choice (ties go to the stronger prior, the smaller C)."""
+    def _group_codes(
+        self, groups: Sequence[str] | None, n: int
+    ) -> tuple[np.ndarray | None, list[str]]:
+        """Integer codes of ``groups`` for a within fit (None for a pooled one) and their names."""
+        if not self.within_groups:
+            return None, []
+        if groups is None:
+            raise CalibrationError(
+                "within_groups=True learns directions inside each group: pass groups= to fit "
+                "(the dataset of each item)"
+            )
+        names, codes = np.unique(np.asarray(list(groups), dtype=str), return_inverse=True)
+        if codes.size != n:
+            raise CalibrationError(f"got {codes.size} groups for {n} scores")
+        return codes, [str(x) for x in names]
+
+    def _choose_C(
+        self, X: np.ndarray, target: np.ndarray, codes: np.ndarray | None = None
+    ) -> tuple[float, dict[str, Any] | None]:
+        """The given C, or the CV choice (ties go to the stronger prior, the smaller C).
+
+        A within fit is scored as fitted: each held-out item with its own group's intercept.
+        """
         if self.C != "cv":
             return float(self.C), None
         folds = min(self.cv_folds, int(np.bincount(target, minlength=2).min()))
@@ -259,8 +307,10 @@ class Calibrator:
             a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
             t = target[te].astype(float)
             for j, c in enumerate(self.cv_grid):
-                w, w0 = _ridge_logistic(a, target[tr].astype(float), c)
-                p = np.clip(1 / (1 + np.exp(-(b @ w + w0))), 1e-15, 1 - 1e-15)
+                g = codes[tr] if codes is not None else None
+                w, w0 = ridge_logistic(a, target[tr].astype(float), c, groups=g)
+                off = w0[codes[te]] if codes is not None else w0[0]
+                p = np.clip(1 / (1 + np.exp(-(b @ w + off))), 1e-15, 1 - 1e-15)
                 losses[i, j] = -np.mean(t * np.log(p) + (1 - t) * np.log(1 - p))
         means = -losses.mean(axis=0)  # neg_log_loss: higher is better
         best = int(np.flatnonzero(means >= means.max() - 1e-12)[0])  # grid ascends: smallest C
@@ -417,6 +467,7 @@ class Calibrator:
                 "intercept": float(logistic.intercept_[0]),
                 "C": self.C_,
                 "cv": self.cv_,
+                **({"within": self.groups_} if self.groups_ is not None else {}),
             },
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
@@ -498,20 +549,13 @@ class Calibrator:
             )
         except CalibrationError as exc:
             raise ArtifactError(f"{path}: {exc}") from exc
-        scaler = StandardScaler()
-        scaler.mean_ = np.asarray(art.scaler.mean, float)
-        scaler.scale_ = np.asarray(art.scaler.scale, float)
-        scaler.var_ = scaler.scale_**2
-        scaler.n_features_in_ = k
-        scaler.n_samples_seen_ = art.n_fit
-        logistic = LogisticRegression(C=art.logistic.C)
-        logistic.coef_ = np.asarray([art.logistic.coef], float)
-        logistic.intercept_ = np.asarray([art.logistic.intercept], float)
-        logistic.classes_ = np.array([0, 1])
-        logistic.n_features_in_ = k
-        logistic.n_iter_ = np.array([0])
-        self.pipeline_ = Pipeline([("scale", scaler), ("logistic", logistic)])
+        self.pipeline_ = fixed_pipeline(
+            art.scaler.mean, art.scaler.scale, art.logistic.coef, art.logistic.intercept,
+            art.logistic.C, art.n_fit,
+        )
         self.C_ = art.logistic.C
+        self.within_groups = art.logistic.within is not None
+        self.groups_ = art.logistic.within
         self.cv_ = art.logistic.cv.model_dump() if art.logistic.cv is not None else None
         if art.feature_set is not None:
             self.feature_set = art.feature_set
@@ -538,43 +582,6 @@ class Calibrator:
         fitted = f"n_fit={self.n_fit_}" if hasattr(self, "pipeline_") else "unfitted"
         name = f"{self.feature_set!r}: " if self.feature_set else ""
         return f"Calibrator(features={name}{list(self.features)}, model={self.model_name!r}, {fitted})"
-
-
-def _ridge_logistic(X: np.ndarray, t: np.ndarray, C: float, iters: int = 50) -> tuple[np.ndarray, float]:
-    """argmin C * sum(logloss) + |w|^2 / 2 (intercept free): LogisticRegression(C)'s objective."""
-    n, k = X.shape
-    A = np.hstack([X, np.ones((n, 1))])
-    theta = np.zeros(k + 1)
-    reg = np.ones(k + 1)
-    reg[-1] = 1e-10  # the intercept is not penalised (tiny ridge keeps the Hessian invertible)
-
-    def objective(th: np.ndarray) -> float:
-        z = A @ th
-        return float(C * np.sum(np.logaddexp(0, z) - t * z) + 0.5 * th[:-1] @ th[:-1])
-
-    f = objective(theta)
-    for _ in range(iters):
-        p = 1 / (1 + np.exp(-(A @ theta)))
-        grad = C * A.T @ (p - t) + reg * theta
-        hess = C * (A.T * (p * (1 - p))) @ A + np.diag(reg)
-        step = np.linalg.solve(hess, grad)
-        lr = 1.0
-        while lr > 1e-6:
-            new = theta - lr * step
-            f_new = objective(new)
-            if f_new <= f:
-                break
-            lr /= 2
-        theta, f_old, f = new, f, f_new
-        if abs(f_old - f) <= 1e-10 * max(1.0, abs(f)):
-            break
-    return theta[:-1], float(theta[-1])
-
-
-def _pipeline(C: float) -> Pipeline:
-    return Pipeline(
-        [("scale", StandardScaler()), ("logistic", LogisticRegression(C=C, max_iter=1000))]
-    )
 
 
 def _as_float(x: Any) -> float:

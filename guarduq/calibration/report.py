@@ -256,7 +256,10 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
             f"{cal.C_:.3g} ({'chosen by ' + str(cal.cv_['folds']) + '-fold CV on log loss' if cal.cv_ else 'fixed'}). "
             f"Logistic regression on standardised features (coefficients on P(wrong): {coefs}; "
             f"intercept {lg.intercept_[0]:+.3f}) fitted on {cal.n_fit_} items ({cal.n_fit_invalid_} invalid excluded); it predicts "
-            "risk = P(wrong | scores).</p>",
+            "risk = P(wrong | scores). "
+            + (f"Directions learned within each dataset ({_fmt(', '.join(cal.groups_))}): one free "
+               "intercept per dataset while fitting, one shared intercept to serve.</p>"
+               if cal.groups_ else "Directions learned across the pooled data.</p>"),
         ]
         if cal.datasets_:
             parts.append(

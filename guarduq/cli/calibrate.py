@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"a rule that picks them from the data ({', '.join(FEATURE_RULES)}: "
                    f"{FEATURE_RULES['sign-stable']}) or comma-separated features from: "
                    f"{', '.join(FEATURES)}")
+    c.add_argument("--within-datasets", action="store_true",
+                   help="learn each feature's direction inside each --dataset (one intercept per "
+                   "dataset while fitting), not across them: safer on traffic unlike the "
+                   "calibration mix, weaker on traffic just like it (docs/results/risk.md)")
     c.add_argument("--C", dest="C", default="cv",
                    help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
                    "by stratified cross-validation")
@@ -265,9 +269,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     C = _parse_C(args.C)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
     rule = args.features if args.features in FEATURE_RULES else None
-    if rule and len(set(args.dataset)) < 2:
-        raise InputError(f"--features {rule} compares datasets: give at least 2 --dataset/--data "
-                         "pairs of different kinds")
+    for flag, wanted in ((f"--features {rule}", rule), ("--within-datasets", args.within_datasets)):
+        if wanted and len(set(args.dataset)) < 2:
+            raise InputError(f"{flag} compares datasets: give at least 2 --dataset/--data pairs "
+                             "of different kinds")
     # validates features before the slow part (a rule chooses among the same-pass ones later)
     cal = Calibrator(FEATURE_SETS["same-pass"] if rule else args.features, C=C)
     features = cal.feature_set or cal.features
@@ -294,11 +299,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if rule:
         features = _apply_rule(rule, parts["fit"], C)
-    cal = Calibrator(features, C=C, model_name=guard.info.name, model_fingerprint=guard.info.fingerprint)
+    cal = Calibrator(features, C=C, within_groups=args.within_datasets, model_name=guard.info.name,
+                     model_fingerprint=guard.info.fingerprint)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
     cal.split_ = fractions
-    cal.fit(*_xy(parts["fit"])[:2])
+    cal.fit(*_xy(parts["fit"]))  # the third column, each item's dataset, is used by --within-datasets
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
@@ -330,6 +336,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     payload["coefficients"] = cal.coefficients()
     payload["feature_set"] = cal.feature_set
     payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
+    payload["within_datasets"] = cal.groups_
     header = (
         f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
         f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items\n"
@@ -388,8 +395,10 @@ def _size_warnings(
 def _coef_text(cal: Calibrator) -> str:
     """Feature set, chosen C and one line per standardised coefficient with its sign."""
     how = f"chosen by {cal.cv_['folds']}-fold CV ({cal.cv_['scoring']})" if cal.cv_ else "fixed"
-    lines = [f"features: {cal.feature_set or 'custom'}; C = {cal.C_:.3g} ({how})",
-             "coefficients on P(wrong), standardised (+ = larger value, more risk):"]
+    lines = [f"features: {cal.feature_set or 'custom'}; C = {cal.C_:.3g} ({how})"]
+    if cal.groups_:
+        lines.append(f"directions learned within each dataset: {', '.join(cal.groups_)}")
+    lines.append("coefficients on P(wrong), standardised (+ = larger value, more risk):")
     for f, c in cal.coefficients().items():
         lines.append(f"  {f:>20s}  {c:+.3f}")
     if cal.costly_features:

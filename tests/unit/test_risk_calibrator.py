@@ -159,12 +159,12 @@ def test_high_base_error_rate_says_what_a_subset_needs() -> None:
 def test_cv_solver_matches_scikit_learn(C: float) -> None:
     from sklearn.linear_model import LogisticRegression
 
-    from guarduq.calibration.calibrator import _ridge_logistic
+    from guarduq.calibration.logistic import ridge_logistic
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(300, 4))
     t = (rng.uniform(size=300) < 1 / (1 + np.exp(-2 * X[:, 0] + X[:, 1]))).astype(float)
-    w, b = _ridge_logistic(X, t, C)
+    w, b = ridge_logistic(X, t, C)
     ref = LogisticRegression(C=C, max_iter=10_000, tol=1e-10).fit(X, t)
     np.testing.assert_allclose(w, ref.coef_[0], atol=1e-6)
-    assert b == pytest.approx(ref.intercept_[0], abs=1e-6)
+    assert b.shape == (1,) and b[0] == pytest.approx(ref.intercept_[0], abs=1e-6)

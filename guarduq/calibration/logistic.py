@@ -1,0 +1,129 @@
+"""The calibrator's L2 logistic regression: pooled over datasets, or within each dataset.
+
+* :func:`ridge_logistic`: scikit-learn's ``LogisticRegression(C)`` objective, solved by Newton
+  steps (cheap enough to refit 11 strengths x 5 folds), with one free intercept or one per group.
+* :func:`within_fit`: feature directions learned *inside* each calibration dataset, with one
+  intercept for serving. Why it exists is in its docstring: pooled fits of likelihood features
+  suffer Simpson's paradox across datasets.
+
+Both work on standardised features; :func:`pipeline` / :func:`fixed_pipeline` build the scaler +
+logistic pipeline ``Calibrator`` serves with (fitted by scikit-learn, or from given parameters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import brentq
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import StandardScaler
+
+
+def _one_hot(groups: np.ndarray | None, n: int) -> np.ndarray:
+    """(n, g) indicator columns of integer group codes 0..g-1; one column of ones without groups."""
+    if groups is None:
+        return np.ones((n, 1))
+    codes = np.asarray(groups, int)
+    return (codes[:, None] == np.arange(codes.max() + 1)[None, :]).astype(float)
+
+
+def ridge_logistic(
+    X: np.ndarray, t: np.ndarray, C: float, groups: np.ndarray | None = None, iters: int = 50
+) -> tuple[np.ndarray, np.ndarray]:
+    """argmin_w,b  C * sum_i logloss(t_i, x_i.w + b_g(i)) + |w|^2 / 2, intercepts unpenalised.
+
+    Without ``groups`` this is ``LogisticRegression(C)``'s objective (one intercept, returned as
+    a length-1 array); with integer group codes each group gets its own free intercept (a fixed
+    effect). The objective is convex, so damped Newton steps converge in a few iterations.
+    """
+    n, k = X.shape
+    G = _one_hot(groups, n)
+    A = np.hstack([X, G])
+    theta = np.zeros(k + G.shape[1])
+    reg = np.ones_like(theta)
+    reg[k:] = 1e-10  # intercepts are not penalised (a tiny ridge keeps the Hessian invertible)
+
+    def objective(th: np.ndarray) -> float:
+        z = A @ th
+        return float(C * np.sum(np.logaddexp(0, z) - t * z) + 0.5 * th[:k] @ th[:k])
+
+    f = objective(theta)
+    for _ in range(iters):
+        p = 1 / (1 + np.exp(-(A @ theta)))
+        grad = C * A.T @ (p - t) + reg * theta
+        hess = C * (A.T * (p * (1 - p))) @ A + np.diag(reg)
+        step = np.linalg.solve(hess, grad)
+        lr = 1.0
+        while lr > 1e-6:
+            new = theta - lr * step
+            f_new = objective(new)
+            if f_new <= f:
+                break
+            lr /= 2
+        theta, f_old, f = new, f, f_new
+        if abs(f_old - f) <= 1e-10 * max(1.0, abs(f)):
+            break
+    return theta[:k], theta[k:]
+
+
+def serving_intercept(offset: np.ndarray, t: np.ndarray) -> float:
+    """The maximum-likelihood intercept b for fixed coefficients: sum sigma(offset + b) = sum t.
+
+    The score equation of an unpenalised intercept; its left side increases in b, so the root is
+    unique and bracketed (the mean predicted risk over the fit data equals its error rate).
+    """
+    target = float(np.sum(t))
+
+    def excess(b: float) -> float:
+        return float(np.sum(1 / (1 + np.exp(-(offset + b))))) - target
+
+    return float(brentq(excess, -60.0, 60.0, xtol=1e-12))
+
+
+def within_fit(
+    Z: np.ndarray, t: np.ndarray, groups: np.ndarray, C: float
+) -> tuple[np.ndarray, float]:
+    """Coefficients learned within each group (dataset), and one intercept to serve with.
+
+    Why: pooled over datasets, a feature's coefficient mixes two effects. Within one dataset,
+    a lower mean log-probability means a likelier wrong answer (SmolLM2: every QA set); between
+    datasets the order can reverse (short, confident answers to open questions are wrong far more
+    often than long, hesitant multiple-choice picks). A pooled fit learns the blend, and on a new
+    kind of traffic only the within part ranks anything: this is Simpson's paradox, and it is why
+    pooled calibrators fell below chance on left-out datasets (docs/results/risk.md).
+
+    Giving each group a free intercept (dataset fixed effects) absorbs every difference between
+    datasets' error rates, so ``w`` is identified by variation inside the datasets only. Serving
+    traffic carries no dataset label, so the group intercepts are replaced by the single
+    :func:`serving_intercept` over all groups. With one group this is exactly the pooled fit.
+    """
+    codes = np.unique(np.asarray(groups), return_inverse=True)[1]
+    w, _ = ridge_logistic(Z, t, C, groups=codes)
+    return w, serving_intercept(Z @ w, t)
+
+
+def pipeline(C: float) -> Pipeline:
+    """Standardise, then ``LogisticRegression(C)``: the calibrator's pooled fit."""
+    return Pipeline(
+        [("scale", StandardScaler()), ("logistic", LogisticRegression(C=C, max_iter=1000))]
+    )
+
+
+def fixed_pipeline(
+    mean: np.ndarray, scale: np.ndarray, coef: np.ndarray, intercept: float, C: float, n_fit: int
+) -> Pipeline:
+    """The same pipeline with given parameters (a loaded artifact, or a within-group fit)."""
+    k = len(coef)
+    scaler = StandardScaler()
+    scaler.mean_ = np.asarray(mean, float)
+    scaler.scale_ = np.asarray(scale, float)
+    scaler.var_ = scaler.scale_**2
+    scaler.n_features_in_ = k
+    scaler.n_samples_seen_ = n_fit
+    logistic = LogisticRegression(C=C)
+    logistic.coef_ = np.asarray([coef], float)
+    logistic.intercept_ = np.asarray([intercept], float)
+    logistic.classes_ = np.array([0, 1])
+    logistic.n_features_in_ = k
+    logistic.n_iter_ = np.array([0])
+    return Pipeline([("scale", scaler), ("logistic", logistic)])
