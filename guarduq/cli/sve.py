@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from guarduq._storage import check_writable
 from guarduq.calibration.datasets import DATASETS, Item, load_dataset
 from guarduq.cli._help import with_example
 from guarduq.errors import DatasetError
@@ -107,6 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     validate_settings(args.members, args.targets, args.sigma_init)  # fail before loading anything
+    check_writable(args.out, "SVE output")  # a folder or read-only path fails now, not after training
+    if args.checkpoint is not None:
+        check_writable(args.checkpoint, "checkpoint")
     if args.dataset == "sst2":
         data: list[Any] = read_sst2(args.data, args.limit)
         label_words: tuple[str, ...] | None = SST2_LABEL_WORDS

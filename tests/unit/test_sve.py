@@ -491,7 +491,10 @@ def test_cli_train_arc_uses_the_lm_loss(model_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("extra", "needle"),
-    [(["--members", "1"], "members >= 2"), (["--targets", "qproj"], "unknown SVE target")],
+    [(["--members", "1"], "members >= 2"), (["--targets", "qproj"], "unknown SVE target"),
+     # a folder as checkpoint or output: refused before training, not by os.replace after it
+     (["--checkpoint", "."], "checkpoint .: it is a directory"),
+     (["--out", "."], "SVE output .: it is a directory")],
 )
 def test_cli_train_bad_input_is_one_line(model_dir, tmp_path, capsys, extra, needle):
     from guarduq.cli import main
