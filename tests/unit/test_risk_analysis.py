@@ -152,8 +152,8 @@ def test_pipeline_smoke_on_a_synthetic_cache(tmp_path: Path) -> None:
     assert cache.read_bytes() == before  # read-only
     page = (tmp_path / "out" / "risk.md").read_text()
     assert "480 usable answers" in page
-    for needle in ("## tiny", "Leave one dataset out", "Chosen default", "Goals of issue 12",
-                   "| pooled |", "same-pass", "sign stable", "α=0.3 coverage"):
+    for needle in ("## tiny", "Leave one dataset out", "Choice for traffic unlike", "Goals of issue 12",
+                   "| pooled |", "same-pass", "sign stable", "α=0.3 coverage", "sign-stable/within"):
         assert needle in page, needle
     for fig in ("auroc", "coverage", "lodo"):
         assert (tmp_path / "out" / f"risk_tiny_{fig}.png").stat().st_size > 1000
