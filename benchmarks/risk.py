@@ -183,15 +183,15 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         show_sets[chosen] = cand.resolve({d: cells[d]["fit"] for d in datasets})
     cand_C = {c.name: c.C for c in candidates}
     within = {c.name for c in candidates if c.within}
-    fit_names = {d: [r.dataset for r in (recs if d == "pooled" else by_ds[d])
-                     if split_of(group_of(r.id)) == "fit"] for d in cells}
+    # Within a single dataset a within fit is the pooled fit, so only the pooled cell gets groups.
+    pooled_fit_names = [r.dataset for r in recs if split_of(group_of(r.id)) == "fit"]
     results: dict[str, dict[str, Any]] = {}
     singles: dict[str, dict[str, tuple[float | None, float | None, float | None]]] = {}
     for d in tqdm(list(cells), desc=f"{model} cells", file=sys.stderr):
         p = cells[d]
         results[d] = {
             s: fit_and_test(f, p["fit"], p["test"], threshold=p["threshold"], C=cand_C.get(s, "cv"),
-                            fit_groups=fit_names[d] if s in within else None,
+                            fit_groups=pooled_fit_names if s in within and d == "pooled" else None,
                             alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
             for s, f in show_sets.items()
         }
@@ -212,7 +212,8 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         "Risk of each feature set (fitted on the cell's fit split, C by 5-fold CV on log loss) next "
         "to the best single signal in hindsight (the best test AUROC among the features alone, "
         "each oriented by its prior direction). `–`: the fit split cannot be fitted (< 10 items or "
-        "one class) or the test split holds one class.",
+        "one class) or the test split holds one class. A `/within` set is fitted within datasets "
+        "only in the pooled row: inside one dataset it is the same set fitted as usual.",
         "",
         "| data | n test (wrong) | " + " | ".join(show_sets) + " | best single |",
         "|---|---|" + "---|" * len(show_sets) + "---|",

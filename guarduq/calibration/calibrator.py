@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
 from sklearn.preprocessing import StandardScaler
@@ -46,6 +46,7 @@ from sklearn.preprocessing import StandardScaler
 from guarduq._logging import get_logger
 from guarduq._storage import write_atomic
 from guarduq._version import __version__
+from guarduq.calibration._artifact import Artifact
 from guarduq.calibration.drift import drift_features, reference_quantiles
 from guarduq.calibration.features import (
     COSTLY,
@@ -57,7 +58,7 @@ from guarduq.calibration.features import (
     missing_features,
     resolve_features,
 )
-from guarduq.calibration.logistic import fixed_pipeline, pipeline, ridge_logistic, within_fit
+from guarduq.calibration.logistic import fixed_pipeline, held_out_logits, pipeline, within_fit
 from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.thresholds import (
     Threshold,
@@ -69,89 +70,17 @@ from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchE
 log = get_logger("calibration")
 
 FORMAT = "guarduq-calibrator"
-FORMAT_VERSION = 2  # 2 adds feature_set and logistic.cv; version 1 artifacts still load
-READABLE_VERSIONS = (1, 2)
+# 2 adds feature_set and logistic.cv; 3 (written only for a within fit) adds logistic.within,
+# so an older guarduq refuses such an artifact as too new instead of calling it corrupt.
+FORMAT_VERSION = 2
+FORMAT_VERSION_WITHIN = 3
+READABLE_VERSIONS = (1, 2, 3)
 MIN_FIT_ITEMS = 10
 # Candidate L2 strengths for cross-validation, fixed before seeing data (1e-3 = a strong prior
 # toward "risk = base rate", 100 = almost unregularised).
 CV_GRID: tuple[float, ...] = tuple(float(c) for c in np.logspace(-3, 2, 11))
 CV_FOLDS = 5
 CV_SCORING = "neg_log_loss"
-
-
-# --------------------------------------------------------------------------- artifact schema
-
-
-class _ModelRef(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
-    name: str | None
-    fingerprint: str | None
-
-
-class _Scaler(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
-    mean: list[float]
-    scale: list[float]
-
-
-class _CV(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    grid: list[float]
-    folds: int
-    scoring: str
-    mean_scores: list[float]
-
-
-class _Logistic(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
-    coef: list[float]
-    intercept: float
-    C: float
-    cv: _CV | None = None
-    within: list[str] | None = None  # the groups a within-dataset fit learned from
-
-
-class _ThresholdModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
-    alpha: float
-    delta: float
-    threshold: float | None
-    coverage: float
-    n: int
-    n_accepted: int
-    errors: int
-    error_rate: float | None
-    upper_bound: float | None
-    message: str | None = None
-    start: float | None = None  # absent in artifacts written before it existed
-
-
-class _DatasetRef(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
-    sha256: str
-    n: int
-
-
-class _Artifact(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
-    format: Literal["guarduq-calibrator"]
-    format_version: Literal[1, 2]
-    guarduq_version: str
-    created: str
-    model: _ModelRef
-    features: list[str]
-    feature_set: str | None = None
-    scaler: _Scaler
-    logistic: _Logistic
-    n_fit: int
-    n_fit_invalid: int
-    thresholds: list[_ThresholdModel]
-    metrics: dict[str, Any]
-    datasets: list[_DatasetRef]
-    split: dict[str, float] | None = None
-    evaluation_data: dict[str, list[Any]] | None = None
-    reference: dict[str, list[float]] | None = None  # fit-split quantiles for drift checks
 
 
 # --------------------------------------------------------------------------- the calibrator
@@ -229,7 +158,14 @@ class Calibrator:
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
-        codes = codes[ok] if codes is not None else None
+        if codes is not None:
+            codes = codes[ok]
+            if np.unique(codes).size < 2:
+                kept = sorted({names[i] for i in codes})
+                raise CalibrationError(
+                    f"within_groups=True needs valid items from at least 2 groups, got {kept}: "
+                    "with one group a within fit is the pooled fit (drop --within-datasets)"
+                )
         self.n_fit_invalid_ = int((~ok).sum())
         if self.n_fit_invalid_:
             log.warning("calibration_invalid_excluded", n=self.n_fit_invalid_, n_total=len(scores))
@@ -289,7 +225,9 @@ class Calibrator:
     ) -> tuple[float, dict[str, Any] | None]:
         """The given C, or the CV choice (ties go to the stronger prior, the smaller C).
 
-        A within fit is scored as fitted: each held-out item with its own group's intercept.
+        A within fit is scored as the fixed-effects model it fits: each held-out item with its
+        own group's intercept (``logistic.held_out_logits``), so C is tuned for the within
+        coefficients; serving then shares one intercept.
         """
         if self.C != "cv":
             return float(self.C), None
@@ -306,11 +244,10 @@ class Calibrator:
             sd[sd == 0] = 1.0  # as StandardScaler does for a constant column
             a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
             t = target[te].astype(float)
+            g_tr, g_te = (codes[tr], codes[te]) if codes is not None else (None, None)
             for j, c in enumerate(self.cv_grid):
-                g = codes[tr] if codes is not None else None
-                w, w0 = ridge_logistic(a, target[tr].astype(float), c, groups=g)
-                off = w0[codes[te]] if codes is not None else w0[0]
-                p = np.clip(1 / (1 + np.exp(-(b @ w + off))), 1e-15, 1 - 1e-15)
+                z = held_out_logits(a, target[tr].astype(float), c, b, g_tr, g_te)
+                p = np.clip(1 / (1 + np.exp(-z)), 1e-15, 1 - 1e-15)
                 losses[i, j] = -np.mean(t * np.log(p) + (1 - t) * np.log(1 - p))
         means = -losses.mean(axis=0)  # neg_log_loss: higher is better
         best = int(np.flatnonzero(means >= means.max() - 1e-12)[0])  # grid ascends: smallest C
@@ -455,7 +392,7 @@ class Calibrator:
         logistic: LogisticRegression = self.pipeline_.named_steps["logistic"]
         out = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.groups_ is None else FORMAT_VERSION_WITHIN,
             "guarduq_version": __version__,
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
@@ -522,7 +459,7 @@ class Calibrator:
                 f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
             )
         try:
-            art = _Artifact.model_validate(doc)
+            art = Artifact.model_validate(doc)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -533,7 +470,7 @@ class Calibrator:
         return self
 
     @classmethod
-    def _from_artifact(cls, art: _Artifact, path: Path) -> Calibrator:
+    def _from_artifact(cls, art: Artifact, path: Path) -> Calibrator:
         k = len(art.features)
         numbers = [*art.scaler.mean, *art.scaler.scale, *art.logistic.coef, art.logistic.intercept]
         if not (len(art.scaler.mean) == len(art.scaler.scale) == len(art.logistic.coef) == k):

@@ -12,15 +12,20 @@ logistic pipeline ``Calibrator`` serves with (fitted by scikit-learn, or from gi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy.optimize import brentq
 from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
+from guarduq.errors import CalibrationError
+
 
 def _one_hot(groups: np.ndarray | None, n: int) -> np.ndarray:
-    """(n, g) indicator columns of integer group codes 0..g-1; one column of ones without groups."""
+    """(n, g) indicator columns of integer group codes 0..g-1 (g = largest code + 1; pass codes
+    without gaps, as ``np.unique(..., return_inverse=True)`` gives); ones without groups."""
     if groups is None:
         return np.ones((n, 1))
     codes = np.asarray(groups, int)
@@ -60,6 +65,8 @@ def ridge_logistic(
             if f_new <= f:
                 break
             lr /= 2
+        else:  # no step lowers the objective: theta is as good as this precision allows
+            break
         theta, f_old, f = new, f, f_new
         if abs(f_old - f) <= 1e-10 * max(1.0, abs(f)):
             break
@@ -69,15 +76,54 @@ def ridge_logistic(
 def serving_intercept(offset: np.ndarray, t: np.ndarray) -> float:
     """The maximum-likelihood intercept b for fixed coefficients: sum sigma(offset + b) = sum t.
 
-    The score equation of an unpenalised intercept; its left side increases in b, so the root is
-    unique and bracketed (the mean predicted risk over the fit data equals its error rate).
+    The score equation of an unpenalised intercept (the mean predicted risk over the fit data
+    equals its error rate r). Its left side increases in b, so the root is unique when
+    0 < r < 1, and it lies in [logit r - max offset, logit r - min offset]: at the left end every
+    sigma(offset + b) <= r, at the right end every one >= r.
     """
+    t = np.asarray(t, float)
+    r = float(np.mean(t))
+    if not 0 < r < 1:
+        raise CalibrationError(
+            f"an intercept needs both right and wrong answers; the error rate here is {r:g}"
+        )
     target = float(np.sum(t))
+    off = np.asarray(offset, float)
 
     def excess(b: float) -> float:
-        return float(np.sum(1 / (1 + np.exp(-(offset + b))))) - target
+        return float(np.sum(0.5 * (1 + np.tanh(0.5 * (off + b))))) - target  # sigma, no overflow
 
-    return float(brentq(excess, -60.0, 60.0, xtol=1e-12))
+    logit = math.log(r / (1 - r))
+    lo, hi = logit - float(off.max()), logit - float(off.min())
+    if lo == hi:  # every offset equal: the root is exactly logit r - offset
+        return lo
+    return float(brentq(excess, lo, hi, xtol=1e-12))
+
+
+def held_out_logits(
+    a: np.ndarray,
+    t: np.ndarray,
+    C: float,
+    b: np.ndarray,
+    groups_a: np.ndarray | None = None,
+    groups_b: np.ndarray | None = None,
+) -> np.ndarray:
+    """Fit on (a, t), return the logits of the held-out rows b (a cross-validation fold).
+
+    With groups, each held-out row gets its own group's intercept, as the fixed-effects model was
+    fitted; a group with no training row in this fold gets the serving intercept instead.
+    """
+    if groups_a is None or groups_b is None:
+        w, w0 = ridge_logistic(a, t, C)
+        return np.asarray(b @ w + w0[0])
+    seen, codes = np.unique(groups_a, return_inverse=True)
+    w, w0 = ridge_logistic(a, t, C, groups=codes)
+    pos = np.minimum(np.searchsorted(seen, groups_b), seen.size - 1)
+    known = seen[pos] == groups_b
+    off = w0[pos]
+    if not known.all():
+        off = np.where(known, off, serving_intercept(a @ w, t))
+    return np.asarray(b @ w + off)
 
 
 def within_fit(

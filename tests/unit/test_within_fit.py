@@ -101,20 +101,18 @@ def test_calibrator_within_groups_ranks_each_dataset(tmp_path: Path) -> None:
 
 
 def test_one_group_is_the_pooled_fit() -> None:
+    """within_fit with a single group is LogisticRegression(C) (solved tightly); the Calibrator
+    refuses that case rather than label a pooled fit 'within'."""
     rng = np.random.default_rng(3)
-    x = rng.normal(size=400)
-    t = (rng.uniform(size=400) < 1 / (1 + np.exp(-x))).astype(float)
-    scores, labels = scores_of(x, seed=3), (1 - t).astype(int)
-    a = Calibrator(["mean_entropy", "aleatoric"], C=0.3).fit(scores, labels)
-    b = Calibrator(["mean_entropy", "aleatoric"], C=0.3, within_groups=True).fit(
-        scores, labels, groups=["all"] * 400)
-    # Equal up to scikit-learn's lbfgs stopping rule (tol 1e-4) in the pooled pipeline...
-    np.testing.assert_allclose(b.predict_risk(scores), a.predict_risk(scores), atol=1e-3)
-    # ...and to 1e-6 against a tightly solved scikit-learn fit of the same standardised problem.
-    X = np.column_stack([[s["mean_entropy"] for s in scores], [s["aleatoric"] for s in scores]])
-    Z = (X - X.mean(0)) / X.std(0)
+    Z = rng.normal(size=(400, 2))
+    t = (rng.uniform(size=400) < 1 / (1 + np.exp(-Z[:, 0]))).astype(float)
+    w, b = within_fit(Z, t, np.zeros(400, int), C=0.3)
     ref = LogisticRegression(C=0.3, max_iter=100_000, tol=1e-12).fit(Z, t)
-    np.testing.assert_allclose(b.predict_risk(scores), ref.predict_proba(Z)[:, 1], atol=1e-6)
+    np.testing.assert_allclose(w, ref.coef_[0], atol=1e-6)
+    assert b == pytest.approx(ref.intercept_[0], abs=1e-6)
+    with pytest.raises(CalibrationError, match="at least 2 groups"):
+        Calibrator(["mean_entropy"], within_groups=True).fit(
+            scores_of(Z[:, 0], seed=3), (1 - t).astype(int), groups=["all"] * 400)
 
 
 def test_within_groups_needs_groups() -> None:
@@ -126,9 +124,63 @@ def test_within_groups_needs_groups() -> None:
         cal.fit(scores_of(x[:, 0]), (1 - t).astype(int), groups=["a"] * 10)
 
 
-def test_within_cv_choice_is_reproducible() -> None:
+def test_within_cv_scores_the_fixed_effects_model() -> None:
+    """CV of a within fit scores held-out items with their group's intercept: on data whose
+    groups differ mostly in error rate, its held-out log loss beats the pooled fit's CV."""
     x, t, g = simpson(1500, seed=4)
-    fit = [Calibrator(["mean_entropy"], within_groups=True).fit(scores_of(x[:, 0]), (1 - t).astype(int),
-                                                                groups=g.astype(str)) for _ in range(2)]
-    assert fit[0].C_ == fit[1].C_ and fit[0].cv_ is not None
-    assert fit[0].coefficients() == fit[1].coefficients()
+    scores, labels = scores_of(x[:, 0]), (1 - t).astype(int)
+    pooled = Calibrator(["mean_entropy"]).fit(scores, labels)
+    within = Calibrator(["mean_entropy"], within_groups=True).fit(scores, labels, groups=g.astype(str))
+    assert within.cv_ is not None and pooled.cv_ is not None
+    assert max(within.cv_["mean_scores"]) > max(pooled.cv_["mean_scores"]) + 0.1
+
+
+@pytest.mark.parametrize("tiny", ["zz", "00"])  # the tiny group has the last code, or the first
+def test_a_group_missing_from_a_cv_fold_is_served_the_shared_intercept(tiny: str) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=301)
+    t = (rng.uniform(size=301) < 1 / (1 + np.exp(-x))).astype(float)
+    names = ["a"] * 150 + ["b"] * 150 + [tiny]  # one item: absent from 4 of 5 training folds
+    cal = Calibrator(["mean_entropy"], within_groups=True).fit(scores_of(x), (1 - t).astype(int), groups=names)
+    assert cal.groups_ == sorted(["a", "b", tiny]) and np.isfinite(cal.cv_["mean_scores"]).all()
+
+
+def test_invalid_rows_can_remove_a_group() -> None:
+    x, t, g = simpson(600, seed=6)
+    scores, labels = scores_of(x[:, 0]), (1 - t).astype(int)
+    names = np.where(g == 1, "mc", "open").tolist()
+    for i in range(5):  # a third group whose every item is invalid
+        scores.append({**scores[i], "valid": False})
+        labels = np.append(labels, labels[i])
+        names.append("broken")
+    cal = Calibrator(["mean_entropy"], within_groups=True).fit(scores, labels, groups=names)
+    assert cal.groups_ == ["mc", "open"] and cal.n_fit_invalid_ == 5
+    one = [n if n != "mc" else "open" for n in names]  # only one valid group left
+    with pytest.raises(CalibrationError, match="at least 2 groups"):
+        Calibrator(["mean_entropy"], within_groups=True).fit(scores, labels, groups=one)
+
+
+def test_serving_intercept_edge_cases() -> None:
+    t = np.array([0.0, 1.0, 1.0, 0.0, 1.0])
+    off = np.array([-75.0, -80.0, -70.0, -77.0, -72.0])  # far outside any fixed bracket
+    b = serving_intercept(off, t)
+    assert np.mean(1 / (1 + np.exp(-(off + b)))) == pytest.approx(t.mean(), abs=1e-9)
+    assert serving_intercept(np.full(5, 2.0), t) == pytest.approx(np.log(0.6 / 0.4) - 2.0)
+    with pytest.raises(CalibrationError, match="both right and wrong"):
+        serving_intercept(off, np.ones(5))
+
+
+def test_artifact_versions() -> None:
+    """A within artifact is format 3 (an older guarduq refuses it as too new, not as corrupt);
+    a pooled one stays format 2, and the format-1 fixture loads as a pooled calibrator."""
+    x, t, g = simpson(400, seed=8)
+    scores, labels = scores_of(x[:, 0]), (1 - t).astype(int)
+    within = Calibrator(["mean_entropy"], within_groups=True).fit(scores, labels, groups=g.astype(str))
+    pooled = Calibrator(["mean_entropy"]).fit(scores, labels)
+    assert within.to_dict()["format_version"] == 3 and pooled.to_dict()["format_version"] == 2
+    root = Path(__file__).resolve().parents[2]
+    old = Calibrator.load(root / "tests" / "data" / "calibrator-v1-smollm2.json")
+    assert old.within_groups is False and old.groups_ is None
+    refit = Calibrator(["mean_entropy"], within_groups=True).fit(scores, labels, groups=g.astype(str))
+    refit.within_groups = False
+    assert refit.fit(scores, labels).groups_ is None  # a pooled refit forgets the groups
