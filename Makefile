@@ -56,18 +56,26 @@ QA_SETS := \
 	  --dataset commonsenseqa --data $(D)/commonsense_qa/dev_rand_split.jsonl \
 	  --dataset boolq --data $(D)/boolq/dev.jsonl
 
-# Refit the default model's shipped calibrator (see docs/calibration/README.md): CAL_LIMIT items
-# of each QA set, pooled (3,016 answers: 460 of each, 256 of BoolQ, whose long passages make it
-# about 3x slower to score); features by the sign-stable rule (docs/results/risk.md). Scoring is
-# cached under runs/cache and resumes (about 3 h on 2 CPU cores from scratch; seconds once
+# Refit the default model's shipped calibrators (see docs/calibration/README.md) on CAL_LIMIT items
+# of each QA set (BoolQ's long passages make it about 3x slower to score):
+# - smollm2-135m-instruct.json: CAL_FEATURES fitted pooled, for traffic like the calibration mix
+#   (policies/default.yaml);
+# - smollm2-135m-instruct.within.json: CAL_WITHIN_FEATURES with directions learned within each
+#   dataset, better inside most single datasets, blind to which kind a question is
+#   (policies/within.yaml).
+# Scoring is cached under runs/cache and resumes (hours on 2 CPU cores from scratch; seconds once
 # `make risk-data` has scored the same items). The alphas cover every shipped policy's `alpha`.
-CAL_LIMIT ?= 460 boolq=256
-CAL_FEATURES ?= sign-stable
+CAL_LIMIT ?= 1000 truthfulqa-mc=817 truthfulqa-gen=817 boolq=568
+CAL_FEATURES ?= same-pass
+CAL_WITHIN_FEATURES ?= sign-stable
 CAL_ALPHAS ?= 0.2 0.3 0.4 0.5 0.6 0.7
+CAL_ARGS = --model smollm2-135m-instruct $(QA_SETS) $(foreach l,$(CAL_LIMIT),--limit $(l)) \
+	  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1
 calibrator: $(STAMP)
-	@$(VENV)/bin/guarduq calibrate --model smollm2-135m-instruct $(QA_SETS) \
-	  $(foreach l,$(CAL_LIMIT),--limit $(l)) --features $(CAL_FEATURES) $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 \
+	@$(VENV)/bin/guarduq calibrate $(CAL_ARGS) --features $(CAL_FEATURES) \
 	  --out policies/calibrators/smollm2-135m-instruct.json --report docs/calibration/default
+	@$(VENV)/bin/guarduq calibrate $(CAL_ARGS) --features $(CAL_WITHIN_FEATURES) --within-datasets \
+	  --out policies/calibrators/smollm2-135m-instruct.within.json --report docs/calibration/within
 
 # Issue 12's evidence: score the seven QA sets (RISK_LIMIT items each; hours on 2 CPU cores,
 # resumable: one cache per dataset under runs/cache/), then analyse from the caches alone.

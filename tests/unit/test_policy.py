@@ -242,14 +242,17 @@ def test_yaml_tags_are_not_executed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((REPO / "policies").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_policies_are_valid(path: Path) -> None:
     policy = Policy.from_yaml(path)
-    assert policy.calibrator_path == (path.parent / "calibrators/smollm2-135m-instruct.json")
+    # within.yaml uses the within-dataset fit; every other policy the pooled one
+    which = "within." if path.stem == "within" else ""
+    assert policy.calibrator_path == (path.parent / f"calibrators/smollm2-135m-instruct.{which}json")
+    assert policy.calibrator_path.is_file()
     # alpha is optional (default.yaml uses a plain calibrated-risk cutoff); when set it is a rate
     assert policy.alpha is None or 0 < policy.alpha < 1
 
 
 def test_shipped_policy_set_is_complete() -> None:
     names = {p.stem for p in (REPO / "policies").glob("*.yaml")}
-    assert {"default", "strict", "permissive", "cascade", "two_dimensional"} <= names
+    assert {"default", "strict", "permissive", "cascade", "two_dimensional", "within"} <= names
 
 
 # ------------------------------------------------------------------ properties
