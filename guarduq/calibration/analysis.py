@@ -184,8 +184,8 @@ def sign_stable_rule(
 # `guarduq calibrate --features sign-stable` and `make calibrator` use them.
 FEATURE_RULES: dict[str, str] = {
     "sign-stable": "the free features whose standardised coefficient has the same sign on every "
-    "calibration dataset fitted alone (needs >= 2 datasets; with --within-datasets, the "
-    "leave-one-dataset-out choice in docs/results/risk.md)",
+    "calibration dataset fitted alone (needs >= 2 datasets; the leave-one-dataset-out pick in "
+    "docs/results/risk.md)",
 }
 
 

@@ -57,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--within-datasets", action="store_true",
                    help="learn each feature's direction inside each --dataset kind (one "
                    "intercept per kind while fitting; two files of one kind are one group), not "
-                   "across them: safer on traffic unlike the calibration mix, weaker on traffic "
-                   "just like it (docs/results/risk.md)")
+                   "across them: better inside one kind of traffic, blind to which kind a "
+                   "question is, so weaker on a mix like the calibration data "
+                   "(docs/results/risk.md)")
     c.add_argument("--C", dest="C", default="cv",
                    help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
                    "by stratified cross-validation")
