@@ -239,13 +239,16 @@ def robust_single_rule(base: Sequence[str]) -> Callable[[Mapping[str, Labelled]]
     return lambda train: robust_single(train, base)
 
 
-def _pool(groups: Mapping[str, Labelled]) -> Labelled:
+def _pool(groups: Mapping[str, Labelled]) -> tuple[Labelled, list[str]]:
+    """Every group's items in one Labelled, and each item's group name (for a within fit)."""
     scores: list[dict[str, Any]] = []
     labels: list[np.ndarray] = []
-    for s, y in groups.values():
+    names: list[str] = []
+    for name, (s, y) in groups.items():
         scores.extend(s)
         labels.append(np.asarray(y, int))
-    return scores, np.concatenate(labels) if labels else np.zeros(0, int)
+        names.extend([name] * len(s))
+    return (scores, np.concatenate(labels) if labels else np.zeros(0, int)), names
 
 
 @dataclass
@@ -314,12 +317,12 @@ def leave_one_dataset_out(
         scores, y = groups[left]
         wrong = 1 - np.asarray(y, int)
         res.rows[left], res.features[left] = {}, {}
-        fit_names = [k for k, (s, _) in train.items() for _ in s]  # each item's dataset
+        pooled, fit_names = _pool(train)
         for cand in candidates:
             feats = cand.resolve(train)
             res.features[left][cand.name] = feats
             m = fit_and_test(
-                feats, _pool(train), (scores, np.asarray(y, int)), C=cand.C, n_boot=n_boot,
+                feats, pooled, (scores, np.asarray(y, int)), C=cand.C, n_boot=n_boot,
                 fit_groups=fit_names if cand.within else None,
             )
             res.rows[left][cand.name] = {k: v for k, v in m.items() if k != "risk"}

@@ -58,7 +58,13 @@ from guarduq.calibration.features import (
     missing_features,
     resolve_features,
 )
-from guarduq.calibration.logistic import fixed_pipeline, held_out_logits, pipeline, within_fit
+from guarduq.calibration.logistic import (
+    fixed_pipeline,
+    held_out_logits,
+    pipeline,
+    standardisation,
+    within_fit,
+)
 from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.thresholds import (
     Threshold,
@@ -158,12 +164,13 @@ class Calibrator:
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
+        present: list[str] = []  # the groups left after invalid rows are dropped
         if codes is not None:
             codes = codes[ok]
-            if np.unique(codes).size < 2:
-                kept = sorted({names[i] for i in codes})
+            present = [names[i] for i in np.unique(codes)]
+            if len(present) < 2:
                 raise CalibrationError(
-                    f"within_groups=True needs valid items from at least 2 groups, got {kept}: "
+                    f"within_groups=True needs valid items from at least 2 groups, got {present}: "
                     "with one group a within fit is the pooled fit (drop --within-datasets)"
                 )
         self.n_fit_invalid_ = int((~ok).sum())
@@ -185,12 +192,10 @@ class Calibrator:
             pipe = pipeline(C).fit(X, target)
             self.groups_ = None
         else:
-            mean, scale = X.mean(axis=0), X.std(axis=0)
-            scale[scale == 0] = 1.0  # as StandardScaler does for a constant column
+            mean, scale = standardisation(X)
             coef, intercept = within_fit((X - mean) / scale, target.astype(float), codes, C)
             pipe = fixed_pipeline(mean, scale, coef, intercept, C, y.size)
-            present = np.unique(codes)
-            self.groups_ = [names[i] for i in present]
+            self.groups_ = present
             log.info("calibration_within_groups", groups=self.groups_)
         self.pipeline_ = pipe
         self.C_ = C
@@ -240,8 +245,7 @@ class Calibrator:
         losses = np.zeros((folds, len(self.cv_grid)))
         splits = StratifiedKFold(folds, shuffle=True, random_state=0).split(X, target)
         for i, (tr, te) in enumerate(splits):
-            mu, sd = X[tr].mean(axis=0), X[tr].std(axis=0)
-            sd[sd == 0] = 1.0  # as StandardScaler does for a constant column
+            mu, sd = standardisation(X[tr])
             a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
             t = target[te].astype(float)
             g_tr, g_te = (codes[tr], codes[te]) if codes is not None else (None, None)

@@ -23,6 +23,14 @@ from sklearn.preprocessing import StandardScaler
 from guarduq.errors import CalibrationError
 
 
+def standardisation(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Column means and standard deviations, a constant column's scale set to 1 (as
+    ``StandardScaler`` does), so ``(X - mean) / scale`` is always finite."""
+    mean, scale = X.mean(axis=0), X.std(axis=0)
+    scale[scale == 0] = 1.0
+    return mean, scale
+
+
 def _one_hot(groups: np.ndarray | None, n: int) -> np.ndarray:
     """(n, g) indicator columns of integer group codes 0..g-1 (g = largest code + 1; pass codes
     without gaps, as ``np.unique(..., return_inverse=True)`` gives); ones without groups."""
