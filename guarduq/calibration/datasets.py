@@ -479,6 +479,8 @@ class TruthfulQAMC(_TruthfulQA):
     def _item(self, row: dict[str, Any]) -> Item:
         question, best, _, incorrect = self._parts(row)
         options = (best, *(o for o in incorrect if o != best))
+        if len(options) < 2:
+            raise _RowError("every incorrect answer repeats the best answer, so there is nothing to choose")
         return self._new(
             _content_id(question),
             question,

@@ -126,6 +126,18 @@ def test_truthfulqa_mc_options_are_best_answer_then_incorrect(tmp_path: Path) ->
     assert label_choice(item, 1) == 0
 
 
+def test_truthfulqa_mc_row_whose_incorrect_answers_repeat_the_best_is_refused_or_skipped(tmp_path: Path) -> None:
+    # Found by the loader fuzz: one option left is no choice; the row is refused, or skipped and reported.
+    echo = {**COOKIES, "Incorrect Answers": COOKIES["Best Answer"]}
+    path = write_tqa(tmp_path / "t.csv", [WATERMELON, echo])
+    with pytest.raises(DatasetError, match="line 3: every incorrect answer repeats the best answer"):
+        load_dataset("truthfulqa-mc", path)
+    ds = load_dataset("truthfulqa-mc", path, skip_malformed=True)
+    assert [i.question for i in ds] == [WATERMELON["Question"]]
+    assert len(ds.skipped) == 1 and "repeats the best answer" in ds.skipped[0][1]
+    assert len(load_dataset("truthfulqa-gen", path)) == 2  # generation still grades it
+
+
 def test_truthfulqa_gen_and_mc_share_split_per_question(tmp_path: Path) -> None:
     path = write_tqa(tmp_path / "t.csv", [WATERMELON, COOKIES])
     gen, mc = load_dataset("truthfulqa-gen", path), load_dataset("truthfulqa-mc", path)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from guarduq.calibration.datasets import (
@@ -145,6 +145,9 @@ def _check_items(ds: Dataset, response: str) -> None:
             assert item.response and item.label in (0, 1)
 
 
+# Found in CI: a row whose only incorrect answer repeats its best answer left one option.
+@example(case=("truthfulqa-mc", b"Type,Category,Question,Best Answer,Correct Answers,Incorrect Answers,Source\r\n"
+               b"0,a; b;;,0,0,0,0,0\r\n"), skip=True, style="instruct", limit=None, response="")
 @examples(1500)
 @given(case=dataset_case(), skip=st.booleans(),
        style=st.sampled_from(["instruct", "fewshot", "instruct", "fewshot", "chat", ""]),
