@@ -220,6 +220,32 @@ class Evaluation:
             "calibrator_sha256": self.calibrator_sha256,
         }
 
+    def coverage_notes(self) -> list[str]:
+        """Plain words for a certified threshold whose accepted answers come from few datasets.
+
+        A guarantee holds on the mix it was measured on: a threshold may meet α by accepting one
+        easy kind of question and none of the others. Then traffic of the other kinds is always
+        withheld, which the pooled coverage hides; each note names those datasets and the one
+        that supplies most of the accepted answers.
+        """
+        notes = []
+        for i, g in enumerate(self.guarantees):
+            if g["threshold"] is None or not g["n_accepted"] or not self.per_dataset:
+                continue
+            accepted = {name: m["guarantees"][i]["n_accepted"] for name, m in self.per_dataset.items()}
+            parts = []
+            if none := sorted(name for name, k in accepted.items() if k == 0):
+                parts.append(f"accepts no answer from {', '.join(none)}")
+            top, k = max(accepted.items(), key=lambda kv: kv[1])
+            items_share = float(np.mean(self.datasets == top))
+            if k / g["n_accepted"] > 0.5 > items_share:
+                parts.append(f"{k} of its {g['n_accepted']} accepted answers ({k / g['n_accepted']:.0%}) are "
+                             f"{top}, which is {items_share:.0%} of the items")
+            if parts:
+                notes.append(f"alpha={g['alpha']:g} (risk <= {g['threshold']:.3g}) " + " and ".join(parts)
+                             + ": the guarantee covers this mix, not each kind of question in it")
+        return notes
+
     def data_dict(self, digits: int = 6) -> dict[str, list[Any]]:
         """Compact per-item arrays (embedded in artifacts so reports can be redrawn)."""
         out: dict[str, list[Any]] = {

@@ -293,6 +293,7 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
         _table(headers, rows),
         "<h3>Guarantees on this data</h3>",
         _table(["α", "δ", "threshold", "coverage", "accepted", "error rate", "held"], _guarantee_rows(ev.guarantees)),
+        *(f"<p><b>Uneven coverage:</b> {html.escape(n)}.</p>" for n in ev.coverage_notes()),
     ]
     for name, m in ev.per_dataset.items():
         if m.get("guarantees"):

@@ -236,6 +236,8 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], evaluation: Evaluat
     for g in evaluation.guarantees:
         if g["threshold"] is None:
             print(f"  alpha={g['alpha']:g}: NOT MET - {g.get('note')}")
+    for note in evaluation.coverage_notes():
+        print(f"  uneven coverage: {note}")
 
 
 def _text_table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -30,6 +30,7 @@ from guarduq.calibration import (
     start_size,
     start_threshold,
 )
+from guarduq.calibration.metrics import EVAL_FIELDS, Evaluation
 from guarduq.calibration.report import FIGURES, _fmt, write_report
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
 from guarduq.scoring.uncertainty import Scores
@@ -305,6 +306,30 @@ def test_evaluate_counts_invalid_items() -> None:
     cal, scores, labels = fitted()
     ev = cal.evaluate([{**scores[0], "valid": False}, *scores[1:50]], labels[:50])
     assert ev.n_invalid == 1 and ev.metrics["n"] == 49
+
+
+def test_coverage_notes_say_when_a_guarantee_rests_on_one_kind_of_question(tmp_path: Path) -> None:
+    # 10 easy items at risk 0.1, 20 middling at 0.5, 30 hard at 0.9: a threshold of 0.2 accepts
+    # the easy ones only (10 of 10 accepted, 10 / 60 = 17% of the items); 0.95 accepts them all.
+    risk = np.repeat([0.1, 0.5, 0.9], [10, 20, 30])
+    datasets = np.repeat(["easy", "mid", "hard"], [10, 20, 30])
+    labels = (risk < 0.7).astype(int)
+    signals = {k: risk for k in EVAL_FIELDS}
+
+    def thr(t: float | None) -> Threshold:
+        return Threshold(0.3, 0.1, t, 0.0, 60, 0, 0, None, None)
+
+    ev = Evaluation.from_arrays(labels, signals, datasets, [thr(0.2), thr(0.95), thr(None)])
+    assert ev.coverage_notes() == [
+        "alpha=0.3 (risk <= 0.2) accepts no answer from hard, mid and 10 of its 10 accepted answers (100%) "
+        "are easy, which is 17% of the items: the guarantee covers this mix, not each kind of question in it"
+    ]
+    assert Evaluation.from_arrays(labels, signals, None, [thr(0.2)]).coverage_notes() == []  # one dataset
+    even = Evaluation.from_arrays(labels, signals, np.tile(["a", "b"], 30), [thr(0.2)])
+    assert even.coverage_notes() == []  # both kinds accepted, neither dominates
+    page = write_report(ev, tmp_path / "rep").read_text()
+    assert "Uneven coverage:</b> alpha=0.3 (risk &lt;= 0.2) accepts no answer from hard, mid" in page
+    assert "Uneven coverage" not in write_report(even, tmp_path / "even").read_text()
 
 
 # --------------------------------------------------------------------------- artifact
