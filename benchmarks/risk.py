@@ -87,12 +87,17 @@ def group_of(item_id: str) -> str:
 
 
 def load_cache(path: Path) -> list[Any]:
-    """Usable records of one cache, read from a private copy (the original may be growing)."""
+    """Usable records of one cache, read from a private copy (the original may be growing).
+
+    One record per item and model, the latest: the cache is append-only, so when a loader change
+    gives an item new options (a new prompt hash), its re-scored record follows the stale one.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         cache = ScoreCache(copy, read_only=True)
-        return [r for r in cache.entries.values() if r.usable]
+        latest = {(r.id, r.model_fingerprint): r for r in cache.entries.values()}
+        return [r for r in latest.values() if r.usable]
 
 
 def _fmt(x: float | None, nd: int = 2) -> str:
@@ -456,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in found:
                 by_model[model].extend(load_cache(Path(path)))
     for model, recs in by_model.items():
-        records = list({r.key: r for r in recs}.values())  # an item cached twice counts once
+        records = list({(r.id, r.model_fingerprint): r for r in recs}.values())  # cached twice: counted once
         lines, fig = analyse_model(model, records, args.n_boot, args.out)
         safe = model.replace("/", "_")
         body += ["", *lines, f"![AUROC per cell](risk_{safe}_auroc.png)", "",

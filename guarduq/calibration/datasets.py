@@ -371,6 +371,19 @@ class Dataset:
         return FEWSHOT_STOP if self.prompt_style == "fewshot" else ()
 
 
+def _merge_repeats(options: Sequence[str], answer: int) -> tuple[list[str], int]:
+    """The options with repeated texts merged (the first kept); the answer moves with its text.
+
+    CommonsenseQA repeats a choice in 24 of its 1,221 dev rows ("indestructible" at A and at D).
+    Equal options get equal probabilities, so which of them an argmax picks, and with it the
+    label, would follow their order rather than the model.
+    """
+    first: dict[str, int] = {}
+    for o in options:
+        first.setdefault(o.strip(), len(first))
+    return list(first), first[options[answer].strip()]
+
+
 def _clean_csv_quotes(text: str) -> str:
     """TriviaQA keeps CSV-style quoting: '"Who wrote ""X""?"' -> 'Who wrote "X"?'."""
     text = text.strip()
@@ -446,9 +459,12 @@ class _TruthfulQA(Dataset):
         question = _require(row, "Question")
         best = _require(row, "Best Answer").strip()
         correct = self._split_refs(row.get("Correct Answers"))
-        incorrect = self._split_refs(row.get("Incorrect Answers"))
+        # Two of the 817 rows also list a correct answer as incorrect, one repeats an incorrect
+        # answer: a repeat would be a duplicate option, a shared one a tie that grades right as wrong.
+        incorrect = tuple(dict.fromkeys(o for o in self._split_refs(row.get("Incorrect Answers"))
+                                        if o != best and o not in correct))
         if not incorrect:
-            raise _RowError("no incorrect answers")
+            raise _RowError("no incorrect answer that is not also listed as correct")
         return question, best, correct, incorrect
 
 
@@ -478,14 +494,11 @@ class TruthfulQAMC(_TruthfulQA):
 
     def _item(self, row: dict[str, Any]) -> Item:
         question, best, _, incorrect = self._parts(row)
-        options = (best, *(o for o in incorrect if o != best))
-        if len(options) < 2:
-            raise _RowError("every incorrect answer repeats the best answer, so there is nothing to choose")
         return self._new(
             _content_id(question),
             question,
             grader="choice",
-            options=self.mc_options(options),
+            options=self.mc_options((best, *incorrect)),
             answer_index=0,
             group=f"truthfulqa:{_content_id(question)}",
             meta={"category": row.get("Category"), "type": row.get("Type")},
@@ -509,18 +522,20 @@ class ARC(Dataset):
         key = str(_require(row, "answerKey", (str, int))).strip()
         labels, texts = [], []
         for c in choices:
-            if not isinstance(c, dict) or "label" not in c or not str(c.get("text", "")).strip():
+            if (not isinstance(c, dict) or not isinstance(c.get("label"), (str, int))
+                    or not isinstance(c.get("text"), str) or not c["text"].strip()):
                 raise _RowError("each choice needs a 'label' and a non-empty 'text'")
             labels.append(str(c["label"]).strip())
-            texts.append(str(c["text"]))
-        if len(texts) < 2:
-            raise _RowError("fewer than two choices")
+            texts.append(c["text"])
+        if len(set(labels)) < len(labels):
+            raise _RowError(f"repeated choice labels {labels}")
         if key not in labels:
             raise _RowError(f"answerKey {key!r} is not one of the choice labels {labels}")
+        options, answer = _merge_repeats(texts, labels.index(key))
+        if len(options) < 2:
+            raise _RowError("fewer than two distinct choices")
         raw_id = str(row.get("id") or _content_id(stem, *texts))
-        return self._new(
-            raw_id, stem, grader="choice", options=self.mc_options(texts), answer_index=labels.index(key)
-        )
+        return self._new(raw_id, stem, grader="choice", options=self.mc_options(options), answer_index=answer)
 
 
 class BoolQ(Dataset):

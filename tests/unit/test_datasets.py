@@ -126,16 +126,30 @@ def test_truthfulqa_mc_options_are_best_answer_then_incorrect(tmp_path: Path) ->
     assert label_choice(item, 1) == 0
 
 
-def test_truthfulqa_mc_row_whose_incorrect_answers_repeat_the_best_is_refused_or_skipped(tmp_path: Path) -> None:
-    # Found by the loader fuzz: one option left is no choice; the row is refused, or skipped and reported.
+def test_truthfulqa_incorrect_answers_also_listed_as_correct_are_dropped(tmp_path: Path) -> None:
+    # Two real rows list a correct answer as incorrect too, one repeats an incorrect answer: kept,
+    # a shared answer would be an option that is right and wrong at once, a repeat a twin option.
+    messy = {**COOKIES, "Incorrect Answers": "Fortune cookies originated in China; "
+             "Fortune cookies originated in San Francisco; Fortune cookies originated in China"}
+    path = write_tqa(tmp_path / "t.csv", [messy])
+    mc = load_dataset("truthfulqa-mc", path).items[0]
+    assert mc.options == (COOKIES["Best Answer"], "Fortune cookies originated in China")
+    gen = load_dataset("truthfulqa-gen", path).items[0]
+    assert gen.incorrect_refs == ("Fortune cookies originated in China",)
+    assert label_response(gen, "Fortune cookies originated in San Francisco") == 1  # was a tie, graded wrong
+
+
+def test_truthfulqa_row_with_no_incorrect_answer_left_is_refused_or_skipped(tmp_path: Path) -> None:
+    # Found by the loader fuzz: an MC item with one option is no choice; the row is refused, or
+    # skipped and reported, in both modes.
     echo = {**COOKIES, "Incorrect Answers": COOKIES["Best Answer"]}
     path = write_tqa(tmp_path / "t.csv", [WATERMELON, echo])
-    with pytest.raises(DatasetError, match="line 3: every incorrect answer repeats the best answer"):
-        load_dataset("truthfulqa-mc", path)
-    ds = load_dataset("truthfulqa-mc", path, skip_malformed=True)
-    assert [i.question for i in ds] == [WATERMELON["Question"]]
-    assert len(ds.skipped) == 1 and "repeats the best answer" in ds.skipped[0][1]
-    assert len(load_dataset("truthfulqa-gen", path)) == 2  # generation still grades it
+    for name in ("truthfulqa-mc", "truthfulqa-gen"):
+        with pytest.raises(DatasetError, match="line 3: no incorrect answer that is not also listed as correct"):
+            load_dataset(name, path)
+        ds = load_dataset(name, path, skip_malformed=True)
+        assert [i.question for i in ds] == [WATERMELON["Question"]]
+        assert [n for n, _ in ds.skipped] == [3]
 
 
 def test_truthfulqa_gen_and_mc_share_split_per_question(tmp_path: Path) -> None:
@@ -204,6 +218,32 @@ def test_arc_and_commonsenseqa(tmp_path: Path) -> None:
     bad = write_jsonl(tmp_path / "b.jsonl", [{**row, "answerKey": "E"}])
     with pytest.raises(DatasetError, match="line 1: answerKey 'E'"):
         load_dataset("arc", bad)
+
+
+def test_mc_repeated_choices_are_merged_and_the_answer_moves_with_its_text(tmp_path: Path) -> None:
+    # CommonsenseQA repeats a choice in 24 of 1,221 dev rows; equal options would tie.
+    choices = [{"text": "durable", "label": "A"}, {"text": "indestructible", "label": "B"},
+               {"text": "durable ", "label": "C"}, {"text": "unbreakable", "label": "D"}]
+    rows = [{"id": f"r{k}", "question": {"stem": "Hard to break?", "choices": choices}, "answerKey": k}
+            for k in "ABCD"]
+    items = load_dataset("commonsenseqa", write_jsonl(tmp_path / "c.jsonl", rows)).items
+    assert {i.options for i in items} == {("durable", "indestructible", "unbreakable")}
+    assert [i.answer_index for i in items] == [0, 1, 0, 2]
+
+
+@pytest.mark.parametrize(
+    ("choices", "match"),
+    [
+        ([{"text": "a", "label": "A"}, {"text": "b", "label": "A"}], "repeated choice labels"),
+        ([{"text": "a", "label": "A"}, {"text": " a", "label": "B"}], "fewer than two distinct choices"),
+        ([{"text": None, "label": "A"}, {"text": "b", "label": "B"}], "non-empty 'text'"),
+        ([{"text": "a", "label": None}, {"text": "b", "label": "B"}], "needs a 'label'"),
+    ],
+)
+def test_mc_degenerate_choices_are_row_errors(tmp_path: Path, choices: list[dict[str, object]], match: str) -> None:
+    row = {"question": {"stem": "Pick one", "choices": choices}, "answerKey": "A"}
+    with pytest.raises(DatasetError, match=f"line 1: .*{match}"):
+        load_dataset("arc", write_jsonl(tmp_path / "d.jsonl", [row]))
 
 
 def test_boolq_answers_as_strings_and_bools(tmp_path: Path) -> None:

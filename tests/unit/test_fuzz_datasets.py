@@ -140,6 +140,7 @@ def _check_items(ds: Dataset, response: str) -> None:
             assert label_response(item, response) in (0, 1)
         elif item.kind == "mc":
             assert len(item.options) >= 2 and 0 <= item.answer_index < len(item.options)
+            assert len(set(item.options)) == len(item.options)  # a twin option would tie with its twin
             assert label_choice(item, item.answer_index) == 1
         else:
             assert item.response and item.label in (0, 1)

@@ -159,6 +159,19 @@ def test_pipeline_smoke_on_a_synthetic_cache(tmp_path: Path) -> None:
         assert (tmp_path / "out" / f"risk_tiny_{fig}.png").stat().st_size > 1000
 
 
+def test_load_cache_keeps_the_latest_record_of_each_item(tmp_path: Path) -> None:
+    # A loader fix changed item a's options: its re-scored record (new prompt hash) follows the
+    # stale one. Item c was re-scored and failed: it drops out rather than fall back to stale data.
+    def rec(i: str, h: str, label: int | None) -> str:
+        return json.dumps(asdict(ScoredItem(id=i, dataset="d", kind="mc", prompt_hash=h, model_fingerprint="f",
+                                            response="r", label=label, scores={"valid": True}, split="fit"))) + "\n"
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(rec("a", "old", 0) + rec("b", "h", 1) + rec("c", "old", 1) + rec("a", "new", 1) + rec("c", "new", None))
+    got = _load_risk_module().load_cache(path)
+    assert sorted((r.id, r.prompt_hash, r.label) for r in got) == [("a", "new", 1), ("b", "h", 1)]
+
+
 def test_within_candidate_keeps_the_direction_a_pooled_fit_loses() -> None:
     """Simpson's paradox across four datasets: inside each, a larger mean_entropy means a likelier
     error; across them, the datasets with larger entropy have far lower error rates. Left out one
