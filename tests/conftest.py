@@ -21,15 +21,14 @@ from transformers import (
 # its own; fresh exploration is `make fuzz`'s job (random, 20x the examples), and what it finds is
 # pinned with @example. No deadline: timing on shared CI cores is noise; hangs are caught by
 # tests/unit/fuzz_support.alarm.
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                           HealthCheck.function_scoped_fixture],
-)
-settings.register_profile("fuzz", parent=settings.get_profile("ci"), derandomize=False)
+_COMMON = {
+    "deadline": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                              HealthCheck.function_scoped_fixture],
+}
+settings.register_profile("ci", derandomize=True, **_COMMON)  # derandomize also turns the example database off
+settings.register_profile("fuzz", **_COMMON)  # random, and failures are saved in .hypothesis/ and replayed
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -215,6 +215,7 @@ class Evaluation:
             **self.metrics,
             "n_invalid": self.n_invalid,
             "guarantees": self.guarantees,
+            "coverage_notes": self.coverage_notes(),
             "per_dataset": self.per_dataset,
             "model": self.model,
             "calibrator_sha256": self.calibrator_sha256,
@@ -233,17 +234,18 @@ class Evaluation:
             if g["threshold"] is None or not g["n_accepted"] or not self.per_dataset:
                 continue
             accepted = {name: m["guarantees"][i]["n_accepted"] for name, m in self.per_dataset.items()}
-            parts = []
+            parts = []  # each part reads after "alpha=... (risk <= t):"
             if none := sorted(name for name, k in accepted.items() if k == 0):
-                parts.append(f"accepts no answer from {', '.join(none)}")
+                names = none[0] if len(none) == 1 else f"{', '.join(none[:-1])} or {none[-1]}"
+                parts.append(f"accepts no answer from {names}")
             top, k = max(accepted.items(), key=lambda kv: kv[1])
             items_share = float(np.mean(self.datasets == top))
             if k / g["n_accepted"] > 0.5 > items_share:
-                parts.append(f"{k} of its {g['n_accepted']} accepted answers ({k / g['n_accepted']:.0%}) are "
+                parts.append(f"{k} of the {g['n_accepted']} accepted answers ({k / g['n_accepted']:.0%}) are "
                              f"{top}, which is {items_share:.0%} of the items")
             if parts:
-                notes.append(f"alpha={g['alpha']:g} (risk <= {g['threshold']:.3g}) " + " and ".join(parts)
-                             + ": the guarantee covers this mix, not each kind of question in it")
+                notes.append(f"alpha={g['alpha']:g} (risk <= {g['threshold']:.3g}): " + "; ".join(parts)
+                             + ". The guarantee covers this mix, not each kind of question in it")
         return notes
 
     def data_dict(self, digits: int = 6) -> dict[str, list[Any]]:

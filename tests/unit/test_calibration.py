@@ -321,14 +321,39 @@ def test_coverage_notes_say_when_a_guarantee_rests_on_one_kind_of_question(tmp_p
 
     ev = Evaluation.from_arrays(labels, signals, datasets, [thr(0.2), thr(0.95), thr(None)])
     assert ev.coverage_notes() == [
-        "alpha=0.3 (risk <= 0.2) accepts no answer from hard, mid and 10 of its 10 accepted answers (100%) "
-        "are easy, which is 17% of the items: the guarantee covers this mix, not each kind of question in it"
+        "alpha=0.3 (risk <= 0.2): accepts no answer from hard or mid; 10 of the 10 accepted answers (100%) "
+        "are easy, which is 17% of the items. The guarantee covers this mix, not each kind of question in it"
     ]
+    assert ev.to_json()["coverage_notes"] == ev.coverage_notes()
+    # At 0.6 the middling items join: 20 of the 30 accepted are "mid", a third of the items.
+    assert Evaluation.from_arrays(labels, signals, datasets, [thr(0.6)]).coverage_notes() == [
+        "alpha=0.3 (risk <= 0.6): accepts no answer from hard; 20 of the 30 accepted answers (67%) are mid,"
+        " which is 33% of the items. The guarantee covers this mix, not each kind of question in it"
+    ]
+    # The first 30 items split evenly between "a" and "b": only the hard ones are left out.
+    halves = np.r_[np.tile(["a", "b"], 15), np.full(30, "hard")]
+    assert Evaluation.from_arrays(labels, signals, halves, [thr(0.6)]).coverage_notes() == [
+        "alpha=0.3 (risk <= 0.6): accepts no answer from hard. The guarantee covers this mix, not each kind"
+        " of question in it"
+    ]
+    # Every dataset accepted, but 40 of 45 accepted answers from one that is a third of the items.
+    mixed = np.repeat(["x", "y", "z"], [20, 20, 20])
+    risk_m = np.r_[np.full(20, 0.1), np.full(3, 0.1), np.full(17, 0.9), np.full(2, 0.1), np.full(18, 0.9)]
+    sig_m = {k: risk_m for k in EVAL_FIELDS}
+    assert Evaluation.from_arrays((risk_m < 0.5).astype(int), sig_m, mixed, [thr(0.2)]).coverage_notes() == [
+        "alpha=0.3 (risk <= 0.2): 20 of the 25 accepted answers (80%) are x, which is 33% of the items."
+        " The guarantee covers this mix, not each kind of question in it"
+    ]
+    # The same share from a dataset that is most of the items is no surprise: no note.
+    big = np.repeat(["x", "y", "z"], [40, 10, 10])
+    risk_b = np.r_[np.full(40, 0.1), np.full(3, 0.1), np.full(7, 0.9), np.full(2, 0.1), np.full(8, 0.9)]
+    assert Evaluation.from_arrays((risk_b < 0.5).astype(int), {k: risk_b for k in EVAL_FIELDS}, big,
+                                  [thr(0.2)]).coverage_notes() == []
     assert Evaluation.from_arrays(labels, signals, None, [thr(0.2)]).coverage_notes() == []  # one dataset
     even = Evaluation.from_arrays(labels, signals, np.tile(["a", "b"], 30), [thr(0.2)])
     assert even.coverage_notes() == []  # both kinds accepted, neither dominates
     page = write_report(ev, tmp_path / "rep").read_text()
-    assert "Uneven coverage:</b> alpha=0.3 (risk &lt;= 0.2) accepts no answer from hard, mid" in page
+    assert "Uneven coverage:</b> alpha=0.3 (risk &lt;= 0.2): accepts no answer from hard or mid;" in page
     assert "Uneven coverage" not in write_report(even, tmp_path / "even").read_text()
 
 
