@@ -65,7 +65,7 @@ QA_SETS := \
 #   (policies/within.yaml).
 # Scoring is cached under runs/cache and resumes (hours on 2 CPU cores from scratch; seconds once
 # `make risk-data` has scored the same items). The alphas cover every shipped policy's `alpha`.
-CAL_LIMIT ?= 1000 truthfulqa-mc=817 truthfulqa-gen=817 boolq=568
+CAL_LIMIT ?= 1000 truthfulqa-mc=817 truthfulqa-gen=817
 CAL_FEATURES ?= same-pass
 CAL_WITHIN_FEATURES ?= sign-stable
 CAL_ALPHAS ?= 0.2 0.3 0.4 0.5 0.6 0.7

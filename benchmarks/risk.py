@@ -328,7 +328,7 @@ def _lodo_goal(summ: dict[str, Any], chosen: str | None, bs_mean: float | None) 
 def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
                 cells: dict[str, Any], best_single: Any) -> dict[str, str]:
     out: dict[str, str] = {}
-    big, passed, eces, held, bad = [], [], [], [], []
+    big, passed, missed, eces, held, bad = [], [], [], [], [], []
     for d, r in results.items():
         m = r.get(chosen, {})
         if "error" in m or m.get("auroc") is None:
@@ -339,6 +339,8 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
             big.append(d)
             if m["auroc"] >= bv - 0.01:
                 passed.append(d)
+            else:
+                missed.append(f"{d} {m['auroc']:.3f} vs {bv:.3f}")
         if m.get("ece") is not None:
             eces.append((d, m["ece"]))
         for g in m.get("guarantees", []):
@@ -347,7 +349,8 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
                 if not g["held"]:
                     bad.append(f"{d} α={g['alpha']:g}")
     out["cells (≥ 300 test items): risk ≥ best single − 0.01"] = (
-        f"{len(passed)}/{len(big)} met" if big else f"not assessable (no cell has ≥ {MIN_CELL} test items)")
+        (f"{len(passed)}/{len(big)} met" + (f" (missed: {', '.join(missed)})" if missed else "")) if big
+        else f"not assessable (no cell has ≥ {MIN_CELL} test items)")
     if "pooled" not in results:
         out["pooled: risk ≥ best single + 0.03"] = "not assessable (one dataset)"
     pm = results.get("pooled", {}).get(chosen, {})
