@@ -8,7 +8,7 @@ Every item carries a stable id (the dataset's own id, else a hash of its content
 scoring cache and the calibration / test split are both keyed by it: the same question lands in
 the same split on every run and on every machine.
 
-How an item is labelled depends on its ``kind``:
+How an item is labelled depends on its ``kind`` (the rules live in :mod:`guarduq.calibration.labels`):
 
 * ``qa``: the model answers freely; ``grader="alias"`` (TriviaQA, NQ-open) marks the answer correct when its
   SQuAD-normalised text equals or contains a normalised alias; ``grader="rouge"`` (TruthfulQA
@@ -27,11 +27,8 @@ import csv
 import hashlib
 import json
 import os
-import re
-import string
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -100,73 +97,6 @@ class Item:
             ensure_ascii=False,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------- labelling
-
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
-_PUNCT = set(string.punctuation) | {"‘", "’", "“", "”", "–", "—", "´"}
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation: lower case, drop punctuation and articles, squeeze whitespace."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
-
-
-def alias_match(response: str, aliases: Sequence[str]) -> bool:
-    """True when the normalised response equals or contains (as whole words) a normalised alias."""
-    answer = normalize_answer(response)
-    if not answer:
-        return False
-    padded = f" {answer} "
-    for alias in aliases:
-        norm = normalize_answer(alias)
-        if norm and (norm == answer or f" {norm} " in padded):
-            return True
-    return False
-
-
-@lru_cache(maxsize=1)
-def _rouge() -> Any:
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-
-
-def max_rouge_l(response: str, references: Sequence[str]) -> float:
-    """Best ROUGE-L F-measure of ``response`` against any reference (0 for none)."""
-    scorer = _rouge()
-    return max((scorer.score(ref, response)["rougeL"].fmeasure for ref in references), default=0.0)
-
-
-def truthfulqa_label(response: str, correct: Sequence[str], incorrect: Sequence[str]) -> int:
-    """1 when the answer is closer (max ROUGE-L) to a correct reference than to any incorrect one.
-
-    Ties count as wrong: an answer equally close to both sets has not shown it is truthful.
-    """
-    if not response.strip():
-        return 0
-    return int(max_rouge_l(response, correct) > max_rouge_l(response, incorrect))
-
-
-def label_response(item: Item, response: str) -> int:
-    """Label a free-form answer to a ``qa`` item (1 = correct)."""
-    if item.grader == "alias":
-        return int(alias_match(response, item.answers))
-    if item.grader == "rouge":
-        return truthfulqa_label(response, item.correct_refs, item.incorrect_refs)
-    raise DatasetError(f"item {item.id} ({item.kind}) is not labelled from a free-form answer")
-
-
-def label_choice(item: Item, index: int) -> int:
-    """Label a multiple-choice pick (1 = the key)."""
-    if item.kind != "mc" or item.answer_index is None:
-        raise DatasetError(f"item {item.id} is not a multiple-choice item")
-    return int(index == item.answer_index)
 
 
 # --------------------------------------------------------------------------- splits

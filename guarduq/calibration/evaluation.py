@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from guarduq import batching
 from guarduq._logging import get_logger
 from guarduq._storage import append_line, check_writable
-from guarduq.calibration.datasets import Item, label_choice, label_response
+from guarduq.calibration.datasets import Item
+from guarduq.calibration.labels import label_choice, label_response
 from guarduq.errors import CacheCorruptError, InputError, ScoringError, StorageError
 
 log = get_logger("evaluation")

@@ -13,13 +13,15 @@ from guarduq.calibration.datasets import (
     DATASETS,
     FEWSHOT_STOP,
     TRUTHFULQA_NO_COMMENT,
-    alias_match,
     hash_unit,
+    load_dataset,
+    split_of,
+)
+from guarduq.calibration.labels import (
+    alias_match,
     label_choice,
     label_response,
-    load_dataset,
     normalize_answer,
-    split_of,
     truthfulqa_label,
 )
 from guarduq.errors import DatasetError, GuardUQError

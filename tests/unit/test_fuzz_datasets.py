@@ -14,13 +14,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from guarduq.calibration.datasets import (
-    DATASETS,
-    Dataset,
-    label_choice,
-    label_response,
-    load_dataset,
-)
+from guarduq.calibration.datasets import DATASETS, Dataset, load_dataset
+from guarduq.calibration.labels import label_choice, label_response
 from guarduq.errors import GuardUQError
 from tests.unit.fuzz_support import clean, examples, json_values, junk, texts
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from guarduq.calibration.datasets import DATASETS, label_response, load_dataset
+from guarduq.calibration.datasets import DATASETS, load_dataset
+from guarduq.calibration.labels import label_response
 from guarduq.errors import DatasetError
 
 ROWS = [
