@@ -26,7 +26,7 @@ from scipy.stats import rankdata
 
 from guarduq.calibration.calibrator import MIN_FIT_ITEMS, Calibrator
 from guarduq.calibration.features import ORIENTATION, feature_matrix, missing_features
-from guarduq.calibration.metrics import ece
+from guarduq.calibration.metrics import ece, ece_floor
 from guarduq.calibration.thresholds import check_guarantees
 from guarduq.errors import CalibrationError
 
@@ -124,6 +124,7 @@ def fit_and_test(
         "auroc": auc,
         "ci": (lo, hi),
         "ece": ece(1 - risk, y) if y.size else None,
+        "ece_floor": ece_floor(1 - risk) if y.size else None,
         "n_test": int(y.size),
         "C": cal.C_,
         "coefficients": cal.coefficients(),

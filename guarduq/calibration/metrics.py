@@ -40,6 +40,30 @@ def ece(confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS) -> 
     return float(total / max(confidence.size, 1))
 
 
+def ece_floor(
+    confidence: np.ndarray, n_bins: int = ECE_BINS, n_draws: int = 200, seed: int = 0
+) -> float:
+    """Mean ECE of a *perfectly calibrated* predictor with these confidences: ECE's noise floor.
+
+    Draw ``correct ~ Bernoulli(confidence)`` ``n_draws`` times: the confidences are then exactly
+    calibrated, and each bin's ``|accuracy - confidence|`` is pure sampling noise, of order
+    ``sqrt(c (1 - c) / n_bin)``. ECE is a sum of absolute values, so it is biased upward and the
+    bias does not vanish until every bin holds many items: on ~150 answers it is ~0.05 even for a
+    perfect calibrator. An ECE near its floor means "calibrated as far as this n can tell".
+    """
+    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
+    if confidence.size == 0:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    draws = rng.random((n_draws, confidence.size)) < confidence  # [draws, n]: calibrated labels
+    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
+    total = np.zeros(n_draws)
+    for b in np.unique(bins):
+        m = bins == b
+        total += m.sum() * np.abs(draws[:, m].mean(axis=1) - confidence[m].mean())
+    return float(total.mean() / confidence.size)
+
+
 def reliability_bins(
     confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS
 ) -> list[dict[str, float]]:

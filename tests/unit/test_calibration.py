@@ -25,6 +25,7 @@ from guarduq.calibration import (
     brier,
     clopper_pearson_upper,
     ece,
+    ece_floor,
     prr,
     select_threshold,
     start_size,
@@ -251,6 +252,23 @@ def test_ece_and_brier_on_hand_made_cases() -> None:
     assert ece(conf, correct) == pytest.approx((4 * 0.15 + 2 * 0.1) / 6)
     assert brier(conf, correct) == pytest.approx((3 * 0.01 + 0.81 + 2 * 0.01) / 6)
     assert ece(np.array([1.0, 0.0]), np.array([1, 0])) == 0.0
+
+
+def test_ece_floor_is_the_ece_of_a_perfect_calibrator() -> None:
+    # All confidences 0.5: one bin, ECE = |B/n - 0.5| with B ~ Binomial(n, 0.5) when the labels are
+    # drawn from the confidences, so the floor is E|B/n - 0.5|, summed exactly over the pmf.
+    n = 20
+    exact = sum(stats.binom.pmf(k, n, 0.5) * abs(k / n - 0.5) for k in range(n + 1))
+    assert ece_floor(np.full(n, 0.5), n_draws=20000) == pytest.approx(exact, abs=0.003)
+    # Two bins of 10 at 0.2 and 0.8: the floor is the size-weighted mean of each bin's E|B/10 - c|.
+    two = np.r_[np.full(10, 0.2), np.full(10, 0.8)]
+    per_bin = sum(stats.binom.pmf(k, 10, 0.2) * abs(k / 10 - 0.2) for k in range(11))
+    assert ece_floor(two, n_draws=20000) == pytest.approx(per_bin, abs=0.003)  # equal by symmetry
+    # Sampling noise shrinks like 1/sqrt(n); certain confidences have none.
+    rng = np.random.default_rng(1)
+    small, large = rng.uniform(0.2, 0.8, 100), rng.uniform(0.2, 0.8, 10000)
+    assert ece_floor(large) < ece_floor(small) / 5
+    assert ece_floor(np.array([0.0, 1.0, 1.0])) == 0.0 and ece_floor(np.array([])) == 0.0
 
 
 def test_auroc_is_none_for_one_class() -> None:
