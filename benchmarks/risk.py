@@ -53,6 +53,7 @@ from guarduq.calibration.analysis import (  # noqa: E402
     coefficient_signs,
     fit_and_test,
     leave_one_dataset_out,
+    paired_bootstrap_diff,
     robust_single_rule,
     sign_stable_rule,
     single_signals,
@@ -236,13 +237,14 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         lines.append(f"| {d} | " + " | ".join(_fmt(singles[d][f][0]) for f in feats) + " |")
 
     lines += ["", "### ECE and guarantees (test split)", "",
-              "ECE of 1 − risk against correctness (15 bins); `floor`: the mean ECE a perfectly "
+              "ECE of 1 − risk against correctness (15 bins); `floor (95%)`: the ECE a perfectly "
               "calibrated risk would show on these items (labels drawn from the risk itself, "
-              "`metrics.ece_floor`), the part of ECE that is sampling noise at this n. "
+              "`metrics.ece_floor`), mean and 95th percentile: the part of ECE that is sampling "
+              "noise at this n. An ECE above the 95% figure is miscalibration at the 5% level. "
               "Coverage at each α (δ = 0.1) is the "
               "share of test answers accepted at the threshold certified on the threshold split; "
               "held = error among them ≤ α; `none` = no threshold certified.", "",
-              "| data | set | ECE | floor | C | " + " | ".join(f"α={a:g} coverage (held)" for a in ALPHAS)
+              "| data | set | ECE | floor (95%) | C | " + " | ".join(f"α={a:g} coverage (held)" for a in ALPHAS)
               + " |", "|---|---|---|---|---|" + "---|" * len(ALPHAS)]
     for d in cells:
         for s in show_sets:
@@ -257,7 +259,7 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
                     cov.append("none")
                 else:
                     cov.append(f"{row['coverage']:.2f} ({'yes' if row['held'] else 'NO'})")
-            lines.append(f"| {d} | {s} | {_fmt(m['ece'], 3)} | {_fmt(m.get('ece_floor'), 3)} | {m['C']:.3g} | "
+            lines.append(f"| {d} | {s} | {_fmt(m['ece'], 3)} | {_fmt(m.get('ece_floor'), 3)} ({_fmt(m.get('ece_floor_p95'), 3)}) | {m['C']:.3g} | "
                          + " | ".join(cov) + " |")
 
     # ---- coefficient directions per dataset
@@ -346,7 +348,7 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
             else:
                 missed.append(f"{d} {m['auroc']:.3f} vs {bv:.3f}")
         if m.get("ece") is not None:
-            eces.append((d, m["ece"], m.get("ece_floor")))
+            eces.append((d, m["ece"], m.get("ece_floor"), m.get("ece_floor_p95")))
         for g in m.get("guarantees", []):
             if g["threshold"] is not None:
                 held.append(g["held"])
@@ -360,11 +362,17 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
     pm = results.get("pooled", {}).get(chosen, {})
     pb = best_single("pooled")[1] if "pooled" in results else None
     if pm.get("auroc") is not None and pb is not None:
+        test = cells["pooled"]["test"]
+        best = single_signals(test[0], [best_single("pooled")[0]])[best_single("pooled")[0]]
+        diff, lo, hi = paired_bootstrap_diff(1 - test[1], pm["risk"], best)
         out["pooled: risk ≥ best single + 0.03"] = (
             f"{pm['auroc']:.3f} vs {pb:.3f} + 0.03: {'MET' if pm['auroc'] >= pb + 0.03 else 'NOT met'}"
-            + ("" if len(cells["pooled"]["test"][1]) >= MIN_CELL else " (n < 300: indicative only)"))
+            + (f" (paired difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}])" if lo is not None else "")
+            + ("" if len(test[1]) >= MIN_CELL else " (n < 300: indicative only)"))
     if eces:
-        over = [f"{d} {e:.3f}" + (f" (floor {f:.3f})" if f is not None else "") for d, e, f in eces if e > 0.05]
+        over = [f"{d} {e:.3f}" + (f" (floor {f:.3f}, 95% {q:.3f}{'' if e <= q else ': beyond noise'})"
+                                  if f is not None and q is not None else "")
+                for d, e, f, q in eces if e > 0.05]
         out["ECE ≤ 0.05 on test splits"] = f"{len(eces) - len(over)}/{len(eces)} met" + (
             f" (over: {', '.join(over)})" if over else "")
     out["certified guarantees held on test"] = (

@@ -4,6 +4,7 @@ Pure numpy / scikit-learn on score dicts and labels (no model, no plotting), so 
 from scoring caches and is unit-testable on synthetic data:
 
 * :func:`bootstrap_auroc`: AUROC with a percentile-bootstrap interval (vectorised ranks).
+* :func:`paired_bootstrap_diff`: the difference of two AUROCs on the same items, with its interval.
 * :func:`single_signals`: each feature alone, oriented by its prior direction (``ORIENTATION``).
 * :func:`fit_and_test`: one calibrator fitted on a fit split, thresholds on a threshold split,
   measured on a test split (AUROC, ECE, coverage and whether each guarantee held).
@@ -80,6 +81,29 @@ def bootstrap_auroc(
     return point, float(lo), float(hi)
 
 
+def paired_bootstrap_diff(
+    wrong: np.ndarray, a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int = 0
+) -> tuple[float | None, float | None, float | None]:
+    """(AUROC(a) - AUROC(b), 2.5%, 97.5%) with both signals resampled on the *same* items.
+
+    Two AUROCs on one test split share its items, so their own intervals overlap even when one is
+    reliably higher; resampling items once and differencing within each resample removes the
+    shared noise. Nones when only one class is present.
+    """
+    wrong = np.asarray(wrong, float)
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if wrong.size == 0 or wrong.min() == wrong.max():
+        return None, None, None
+    point = float(_auroc_rows(wrong[None], a[None])[0] - _auroc_rows(wrong[None], b[None])[0])
+    idx = np.random.default_rng(seed).integers(0, wrong.size, size=(n_boot, wrong.size))
+    diffs = _auroc_rows(wrong[idx], a[idx]) - _auroc_rows(wrong[idx], b[idx])
+    diffs = diffs[np.isfinite(diffs)]
+    if diffs.size == 0:
+        return point, None, None
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
 def single_signals(
     scores: Sequence[Mapping[str, Any]], features: Sequence[str]
 ) -> dict[str, np.ndarray]:
@@ -125,6 +149,7 @@ def fit_and_test(
         "ci": (lo, hi),
         "ece": ece(1 - risk, y) if y.size else None,
         "ece_floor": ece_floor(1 - risk) if y.size else None,
+        "ece_floor_p95": ece_floor(1 - risk, quantile=0.95) if y.size else None,
         "n_test": int(y.size),
         "C": cal.C_,
         "coefficients": cal.coefficients(),

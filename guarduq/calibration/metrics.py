@@ -27,11 +27,16 @@ def auroc(wrong: np.ndarray, signal: np.ndarray) -> float | None:
     return float(roc_auc_score(wrong, signal))
 
 
+def _bins(confidence: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """(clipped confidences, equal-width bin index on [0, 1] of each; 1.0 falls in the last bin)."""
+    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
+    return confidence, np.minimum((confidence * n_bins).astype(int), n_bins - 1)
+
+
 def ece(confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS) -> float:
     """Expected calibration error with equal-width bins on [0, 1]."""
-    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
+    confidence, bins = _bins(confidence, n_bins)
     correct = np.asarray(correct, dtype=float)
-    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
     total = 0.0
     for b in range(n_bins):
         m = bins == b
@@ -41,36 +46,40 @@ def ece(confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS) -> 
 
 
 def ece_floor(
-    confidence: np.ndarray, n_bins: int = ECE_BINS, n_draws: int = 200, seed: int = 0
+    confidence: np.ndarray,
+    n_bins: int = ECE_BINS,
+    n_draws: int = 1000,
+    seed: int = 0,
+    quantile: float | None = None,
 ) -> float:
-    """Mean ECE of a *perfectly calibrated* predictor with these confidences: ECE's noise floor.
+    """ECE of a *perfectly calibrated* predictor with these confidences: ECE's noise floor.
 
     Draw ``correct ~ Bernoulli(confidence)`` ``n_draws`` times: the confidences are then exactly
     calibrated, and each bin's ``|accuracy - confidence|`` is pure sampling noise, of order
-    ``sqrt(c (1 - c) / n_bin)``. ECE is a sum of absolute values, so it is biased upward and the
-    bias does not vanish until every bin holds many items: on ~150 answers it is ~0.05 even for a
-    perfect calibrator. An ECE near its floor means "calibrated as far as this n can tell".
+    ``sqrt(c (1 - c) / n_bin)``. ECE sums absolute values, so this noise never averages out: it
+    shrinks only as every bin fills, and on a few hundred answers it is of the size of the 0.05
+    people call "calibrated". Returns the mean over draws, or with ``quantile`` (e.g. 0.95) that
+    quantile: an ECE above the 95% one is miscalibration, not noise, at the 5% level.
     """
-    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
+    confidence, bins = _bins(confidence, n_bins)
     if confidence.size == 0:
         return 0.0
     rng = np.random.default_rng(seed)
     draws = rng.random((n_draws, confidence.size)) < confidence  # [draws, n]: calibrated labels
-    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
     total = np.zeros(n_draws)
     for b in np.unique(bins):
         m = bins == b
         total += m.sum() * np.abs(draws[:, m].mean(axis=1) - confidence[m].mean())
-    return float(total.mean() / confidence.size)
+    null = total / confidence.size
+    return float(null.mean() if quantile is None else np.quantile(null, quantile))
 
 
 def reliability_bins(
     confidence: np.ndarray, correct: np.ndarray, n_bins: int = ECE_BINS
 ) -> list[dict[str, float]]:
     """Per-bin (lower edge, mean confidence, accuracy, count) for a reliability diagram."""
-    confidence = np.clip(np.asarray(confidence, dtype=float), 0.0, 1.0)
+    confidence, bins = _bins(confidence, n_bins)
     correct = np.asarray(correct, dtype=float)
-    bins = np.minimum((confidence * n_bins).astype(int), n_bins - 1)
     out = []
     for b in range(n_bins):
         m = bins == b
@@ -159,6 +168,8 @@ def compute_metrics(labels: np.ndarray, signals: Mapping[str, np.ndarray]) -> di
         "auroc": {k: auroc(wrong, v) for k, v in oriented.items()},
         "ece_before": ece(conf_before, labels),
         "ece_after": ece(conf_after, labels),
+        "ece_floor": ece_floor(conf_after),  # what a perfect calibrator would show at this n
+        "ece_floor_p95": ece_floor(conf_after, quantile=0.95),  # above it: not noise (5% level)
         "brier_before": brier(conf_before, labels),
         "brier": brier(conf_after, labels),
         "aurc": aurc(signals["risk"], wrong),

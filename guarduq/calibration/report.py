@@ -209,15 +209,22 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def metrics_rows(metrics_by_name: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
     """Header and rows of the metrics table (one row per data set); shared with the CLI."""
-    headers = ["data", "n", "accuracy", *[f"AUROC {s}" for s in SIGNALS], "ECE before", "ECE after", "Brier", "AURC", "PRR"]
+    headers = ["data", "n", "accuracy", *[f"AUROC {s}" for s in SIGNALS], "ECE before", "ECE after", "ECE floor (95%)", "Brier", "AURC", "PRR"]
     rows = []
     for name, m in metrics_by_name.items():
         au = m.get("auroc") or {}
         rows.append(
             [name, m.get("n"), m.get("accuracy"), *[au.get(s) for s in SIGNALS],
-             m.get("ece_before"), m.get("ece_after"), m.get("brier"), m.get("aurc"), m.get("prr")]
+             m.get("ece_before"), m.get("ece_after"), _floor(m), m.get("brier"), m.get("aurc"), m.get("prr")]
         )
     return headers, rows
+
+
+def _floor(m: Mapping[str, Any]) -> str | None:
+    """"mean (95th percentile)" of a perfect calibrator's ECE; None for artifacts older than it."""
+    if m.get("ece_floor") is None or m.get("ece_floor_p95") is None:
+        return None
+    return f"{m['ece_floor']:.3f} ({m['ece_floor_p95']:.3f})"
 
 
 def _guarantee_rows(guarantees: list[dict[str, Any]]) -> list[list[Any]]:
@@ -288,7 +295,9 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
         f"<h2>Held-out metrics (n = {ev.labels.size}, {ev.n_invalid} invalid excluded)</h2>",
         "<p class='note'>AUROC for detecting wrong answers, every signal oriented higher = more uncertain "
         "(mean log p negated; combined = z(log epistemic) + z(aleatoric)). ECE (15 bins) and Brier: before = "
-        "mean token probability p̄ as the confidence, after = 1 − risk. AURC: area under the risk–coverage "
+        "mean token probability p̄ as the confidence, after = 1 − risk; ECE floor = the ECE a perfectly "
+        "calibrated risk would show on these items, mean (95th percentile): sampling noise at this n; an ECE "
+        "after above the 95% figure is miscalibration. AURC: area under the risk–coverage "
         "curve (lower is better). PRR: prediction rejection ratio of the risk (1 = oracle, 0 = random).</p>",
         _table(headers, rows),
         "<h3>Guarantees on this data</h3>",

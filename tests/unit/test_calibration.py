@@ -264,6 +264,18 @@ def test_ece_floor_is_the_ece_of_a_perfect_calibrator() -> None:
     two = np.r_[np.full(10, 0.2), np.full(10, 0.8)]
     per_bin = sum(stats.binom.pmf(k, 10, 0.2) * abs(k / 10 - 0.2) for k in range(11))
     assert ece_floor(two, n_draws=20000) == pytest.approx(per_bin, abs=0.003)  # equal by symmetry
+    # Unequal bins (30 at 0.1, 10 at 0.5): each bin's expected error weighted by its size.
+    uneven = np.r_[np.full(30, 0.1), np.full(10, 0.5)]
+    e30 = sum(stats.binom.pmf(k, 30, 0.1) * abs(k / 30 - 0.1) for k in range(31))
+    e10 = sum(stats.binom.pmf(k, 10, 0.5) * abs(k / 10 - 0.5) for k in range(11))
+    assert ece_floor(uneven, n_draws=20000) == pytest.approx((30 * e30 + 10 * e10) / 40, abs=0.003)
+    # The same binning as ece: the floor is the mean of ece over labels drawn from the confidences,
+    # and the 95% figure is their 95th percentile (same seed, same draws).
+    conf = np.random.default_rng(2).uniform(0, 1, 137)
+    draws = np.random.default_rng(5).random((300, conf.size)) < conf
+    null = [ece(conf, d) for d in draws]
+    assert ece_floor(conf, n_draws=300, seed=5) == pytest.approx(np.mean(null), rel=1e-12)
+    assert ece_floor(conf, n_draws=300, seed=5, quantile=0.95) == pytest.approx(np.quantile(null, 0.95))
     # Sampling noise shrinks like 1/sqrt(n); certain confidences have none.
     rng = np.random.default_rng(1)
     small, large = rng.uniform(0.2, 0.8, 100), rng.uniform(0.2, 0.8, 10000)
@@ -307,6 +319,7 @@ def test_evaluate_metrics_and_guarantees() -> None:
     assert m["auroc"]["mean_logprob"] == pytest.approx(roc_auc_score(wrong, [-s["mean_logprob"] for s in test_s]))
     assert m["auroc"]["risk"] > 0.7  # the synthetic signal is strong
     assert m["ece_after"] < m["ece_before"]  # p̄ is not a calibrated confidence here; risk is
+    assert m["ece_floor"] == pytest.approx(ece_floor(1 - risk)) and m["ece_floor"] < m["ece_floor_p95"]
     for g, t in zip(ev.guarantees, cal.thresholds_, strict=True):
         acc = risk <= t.threshold
         assert g["coverage"] == pytest.approx(acc.mean())
@@ -315,7 +328,7 @@ def test_evaluate_metrics_and_guarantees() -> None:
     ev_ds = cal.evaluate(test_s, test_y, ["x"] * 100 + ["y"] * 200)
     assert set(ev_ds.per_dataset) == {"x", "y"} and ev_ds.per_dataset["x"]["n"] == 100
     out = ev.to_json()
-    for key in ("n", "accuracy", "auroc", "ece_before", "ece_after", "brier", "aurc", "prr", "guarantees"):
+    for key in ("n", "accuracy", "auroc", "ece_before", "ece_after", "ece_floor", "brier", "aurc", "prr", "guarantees"):
         assert key in out
     json.dumps(out)
 

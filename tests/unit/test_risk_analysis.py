@@ -18,6 +18,7 @@ from guarduq.calibration.analysis import (
     choose_candidate,
     coefficient_signs,
     leave_one_dataset_out,
+    paired_bootstrap_diff,
     robust_single,
     robust_single_rule,
     select_features,
@@ -58,6 +59,23 @@ def test_bootstrap_auroc_matches_sklearn() -> None:
     assert auc == pytest.approx(roc_auc_score(wrong, sig))
     assert lo < auc < hi and hi - lo < 0.3
     assert bootstrap_auroc(np.zeros(5), np.arange(5.0)) == (None, None, None)
+
+
+def test_paired_bootstrap_diff_resamples_both_signals_on_the_same_items() -> None:
+    rng = np.random.default_rng(0)
+    wrong = rng.integers(0, 2, 400)
+    base = wrong + rng.normal(0, 1.5, 400)
+    better = base + 0.3 * wrong  # the same signal plus a little more information
+    diff, lo, hi = paired_bootstrap_diff(wrong, better, base, n_boot=500)
+    assert diff == pytest.approx(roc_auc_score(wrong, better) - roc_auc_score(wrong, base))
+    assert 0 < lo < diff < hi
+    # Unpaired, the two intervals overlap although the paired one excludes zero: the shared
+    # items' noise is what pairing removes.
+    _, lo_b, hi_b = bootstrap_auroc(wrong, better, n_boot=500)
+    _, lo_a, hi_a = bootstrap_auroc(wrong, base, n_boot=500)
+    assert lo_b < hi_a and hi - lo < min(hi_b - lo_b, hi_a - lo_a)
+    assert paired_bootstrap_diff(wrong, base, base, n_boot=50) == (0.0, 0.0, 0.0)
+    assert paired_bootstrap_diff(np.ones(5), np.arange(5.0), np.arange(5.0)) == (None, None, None)
 
 
 def test_sign_flip_is_found() -> None:
