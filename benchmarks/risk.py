@@ -240,7 +240,8 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
               "ECE of 1 − risk against correctness (15 bins); `floor (95%)`: the ECE a perfectly "
               "calibrated risk would show on these items (labels drawn from the risk itself, "
               "`metrics.ece_floor`), mean and 95th percentile: the part of ECE that is sampling "
-              "noise at this n. An ECE above the 95% figure is miscalibration at the 5% level. "
+              "noise at this n. An ECE above the 95% figure is miscalibration at the 5% level (one "
+              "test per row, no correction for the many rows; the fitted risk taken as fixed). "
               "Coverage at each α (δ = 0.1) is the "
               "share of test answers accepted at the threshold certified on the threshold split; "
               "held = error among them ≤ α; `none` = no threshold certified.", "",
@@ -309,10 +310,10 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         goals["lodo"] = f"not assessable ({len(datasets)} dataset(s); leave-one-out needs 3)"
 
     measured = chosen or (DEFAULT_FEATURE_SET if DEFAULT_FEATURE_SET in show_sets else next(iter(show_sets)))
-    goals.update(_cell_goals(results, singles, measured, cells, best_single))
+    goals.update(_cell_goals(results, singles, measured, cells, best_single, n_boot))
     if MIXED_SET in show_sets and measured != MIXED_SET:
         goals.update({f"{k}, `{MIXED_SET}`": v for k, v in
-                      _cell_goals(results, singles, MIXED_SET, cells, best_single).items() if k != "set measured"})
+                      _cell_goals(results, singles, MIXED_SET, cells, best_single, n_boot).items() if k != "set measured"})
     lines += ["", "### Goals of issue 12", ""] + [f"- {k}: {v}" for k, v in goals.items()] + [""]
     fig = {"results": results, "singles": singles, "cells": cells, "sets": list(show_sets),
            "lodo": lodo, "candidates": candidates, "goals": goals, "feats": feats, "chosen": chosen, "best_single": best_single}
@@ -332,7 +333,7 @@ def _lodo_goal(summ: dict[str, Any], chosen: str | None, bs_mean: float | None) 
 
 
 def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
-                cells: dict[str, Any], best_single: Any) -> dict[str, str]:
+                cells: dict[str, Any], best_single: Any, n_boot: int) -> dict[str, str]:
     out: dict[str, str] = {}
     big, passed, missed, eces, held, bad = [], [], [], [], [], []
     for d, r in results.items():
@@ -364,7 +365,7 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
     if pm.get("auroc") is not None and pb is not None:
         test = cells["pooled"]["test"]
         best = single_signals(test[0], [best_single("pooled")[0]])[best_single("pooled")[0]]
-        diff, lo, hi = paired_bootstrap_diff(1 - test[1], pm["risk"], best)
+        diff, lo, hi = paired_bootstrap_diff(1 - test[1], pm["risk"], best, n_boot=n_boot)
         out["pooled: risk ≥ best single + 0.03"] = (
             f"{pm['auroc']:.3f} vs {pb:.3f} + 0.03: {'MET' if pm['auroc'] >= pb + 0.03 else 'NOT met'}"
             + (f" (paired difference {diff:+.3f} [{lo:+.3f}, {hi:+.3f}])" if lo is not None else "")
