@@ -361,10 +361,10 @@ def _cell_goals(results: dict[str, Any], singles: dict[str, Any], chosen: str,
     if "pooled" not in results:
         out["pooled: risk ≥ best single + 0.03"] = "not assessable (one dataset)"
     pm = results.get("pooled", {}).get(chosen, {})
-    pb = best_single("pooled")[1] if "pooled" in results else None
-    if pm.get("auroc") is not None and pb is not None:
+    bs, pb = best_single("pooled") if "pooled" in results else (None, None)
+    if pm.get("auroc") is not None and bs is not None and pb is not None:
         test = cells["pooled"]["test"]
-        best = single_signals(test[0], [best_single("pooled")[0]])[best_single("pooled")[0]]
+        best = single_signals(test[0], [bs])[bs]
         diff, lo, hi = paired_bootstrap_diff(1 - test[1], pm["risk"], best, n_boot=n_boot)
         out["pooled: risk ≥ best single + 0.03"] = (
             f"{pm['auroc']:.3f} vs {pb:.3f} + 0.03: {'MET' if pm['auroc'] >= pb + 0.03 else 'NOT met'}"
