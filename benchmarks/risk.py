@@ -97,7 +97,7 @@ def load_cache(path: Path) -> list[Any]:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         cache = ScoreCache(copy, read_only=True)
-        latest = {(r.id, r.model_fingerprint): r for r in cache.entries.values()}
+        latest = {(r.id, r.model_fingerprint, r.parameter_set): r for r in cache.entries.values()}
         return [r for r in latest.values() if r.usable]
 
 

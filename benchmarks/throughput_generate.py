@@ -98,7 +98,7 @@ def generation_only(guard: Guard, prompts: list[str], size: int, tokens: int) ->
     gen = guard._generation_settings({"max_new_tokens": tokens})
     out = []
     for chunk in chunked(prompts, size):
-        out += [guard._decode_reply(new, gen["eos_token_id"]) for new in guard._generate_rows(chunk, gen)]
+        out += [guard._decode_reply(new, gen["eos_token_id"]) for new in guard._generate_rows(chunk, gen)[0]]
     return out
 
 

@@ -48,7 +48,8 @@ class _Worker:
     def describe(self) -> dict[str, Any]:
         from guarduq.layout import has_chat_template
 
-        return {"info": asdict(self.guard.info), "chat_template": has_chat_template(self.guard.tokenizer)}
+        return {"info": asdict(self.guard.info), "chat_template": has_chat_template(self.guard.tokenizer),
+                "parameter_set": self.guard.scorer.parameter_set}
 
     def score_items(self, rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
         items = [Item(**row) for row in rows]
@@ -75,6 +76,7 @@ class RayScorer:
         max_actors: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
+        scoring: dict[str, Any] | None = None,
     ) -> None:
         ray = self._ray = _ray()
         if cpus_per_actor < 1 or (max_actors is not None and max_actors < 1):
@@ -96,7 +98,7 @@ class RayScorer:
             n, options = max(1, cpus // per), {"num_cpus": per}
         n = min(n, max_actors) if max_actors else n
         worker = ray.remote(_Worker)
-        kwargs = {"device": device, "dtype": dtype}
+        kwargs = {"device": device, "dtype": dtype, **(scoring or {})}  # scoring: the parameter set
         self.actors = [worker.options(**options).remote(model, kwargs) for _ in range(n)]
         log.info("ray_actors", n=n, **options)
         try:  # an actor that cannot load the model fails here, with the model's own error
@@ -109,6 +111,7 @@ class RayScorer:
             raise
         self.info = ModelInfo(**described[0]["info"])
         self.chat_template = bool(described[0]["chat_template"])
+        self.parameter_set = str(described[0]["parameter_set"])  # what the actors' scores cover
 
     def _get(self, refs: Any) -> Any:
         try:

@@ -7,6 +7,7 @@ Everything model-specific lives in ``models``/``layout``/``uncertainty``; this f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -35,11 +36,15 @@ from guarduq.models import (
 )
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
+from guarduq.scoring import reuse
+from guarduq.scoring.parameters import resolve_selection
 from guarduq.scoring.uncertainty import GradientScorer, Scores, model_lock
 
 log = get_logger("guard")
 
 DEFAULT_MAX_NEW_TOKENS = 64
+# The gradient's parameters when neither the caller nor a calibrator names them (None: all).
+DEFAULT_LAST_N_BLOCKS: int | None = None
 DEFAULT_SCORE_BATCH_SIZE = 16  # benchmarks/throughput.py
 
 
@@ -147,13 +152,16 @@ class Guard:
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
         self.max_new_tokens = max_new_tokens
-        self.scorer = GradientScorer(self.model, parameters=parameters, last_n_blocks=last_n_blocks)
         self.policy = Policy.from_yaml(policy) if isinstance(policy, str | os.PathLike) else policy
         if calibrator is None and self.policy is not None:
             calibrator = self.policy.calibrator_path
         if isinstance(calibrator, str | os.PathLike):
             calibrator = Calibrator.load(calibrator, expected_fingerprint=self.info.fingerprint)
         self.calibrator = calibrator
+        self.scorer = GradientScorer(self.model, **resolve_selection(
+            parameters, last_n_blocks, calibrator.parameter_set_ if calibrator is not None else None,
+            default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
+        ))
         if self.policy is not None:
             known_as = {self.info.name}
             if calibrator is not None and calibrator.model_fingerprint == self.info.fingerprint:
@@ -197,9 +205,10 @@ class Guard:
         bar = tqdm(total=len(prompts), desc="generating", unit="resp", disable=not progress)
         for chunk in batching.chunked(prompts, size):
             t0 = time.perf_counter()
-            replies = [self._decode_reply(new, gen["eos_token_id"]) for new in self._generate_rows(chunk, gen)]
+            rows, recorded = self._generate_rows(chunk, gen)
+            replies = [self._decode_reply(new, gen["eos_token_id"]) for new in rows]
             generate_s = (time.perf_counter() - t0) / len(chunk)
-            out += self._respond_many(chunk, replies, generate_s=generate_s)
+            out += self._respond_many(chunk, replies, generate_s=generate_s, recorded=recorded)
             bar.update(len(chunk))
         bar.close()
         return out
@@ -221,7 +230,10 @@ class Guard:
         pieces = streaming.TextPieces(self.tokenizer, streaming.check_stops(stop))
         gen["streamer"] = pieces
         gen["stopping_criteria"] = [*gen.get("stopping_criteria", []), pieces]
-        worker = threading.Thread(target=pieces.run, args=(self._run_generate, ids, gen), daemon=True)
+        recorded: list[reuse.Recorded] = []
+        worker = threading.Thread(
+            target=pieces.run, args=(lambda i, g: self._run_generate(i, g, recorded), ids, gen), daemon=True
+        )
         worker.start()
         try:
             yield from pieces
@@ -237,7 +249,9 @@ class Guard:
                 text = pieces.sent
             if len(text) > len(pieces.sent):
                 yield text[len(pieces.sent) :]
-        yield self._respond_many([prompt], [(text, ended)], generate_s=time.perf_counter() - t0)[0]
+        yield self._respond_many(
+            [prompt], [(text, ended)], generate_s=time.perf_counter() - t0, recorded=recorded or None
+        )[0]
 
     def guarded(self, prompt: PromptLike, response: str, *, ended: bool = True) -> GuardedResponse:
         """A response produced elsewhere, through the same score -> decide -> audit flow."""
@@ -245,9 +259,15 @@ class Guard:
 
     def score(self, prompt: PromptLike, response: str, *, ended: bool = True) -> Scores:
         """Score a response produced elsewhere, by teacher forcing."""
+        return self._score_one(prompt, response, ended)
+
+    def _score_one(
+        self, prompt: PromptLike, response: str, ended: bool, recorded: reuse.Recorded = None
+    ) -> Scores:
         enc = layout.encode(self.tokenizer, self.model, prompt, response, ended=ended)
+        ids = enc.input_ids.to(self._device)
         try:
-            scores = self.scorer.score(enc.input_ids.to(self._device), enc.response_start)
+            scores = self.scorer.score(ids, enc.response_start, reuse.states_for(recorded, ids))
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             raise ScoringError(f"scoring failed inside the model: {str(exc).splitlines()[0]}") from exc
         log.info(
@@ -274,7 +294,19 @@ class Guard:
             raise InputError(f"ended has {len(flags)} flags for {len(pairs)} pairs")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        return self._score_pairs(pairs, flags, batch_size, progress)
+
+    def _score_pairs(
+        self,
+        pairs: Sequence[tuple[PromptLike, str]],
+        flags: Sequence[bool],
+        batch_size: int = DEFAULT_SCORE_BATCH_SIZE,
+        progress: bool = False,
+        recorded: Sequence[reuse.Recorded] | None = None,
+    ) -> list[Scores]:
+        """``score_batch`` after its checks; ``recorded``: what generation recorded per pair."""
         encs = [layout.encode(self.tokenizer, self.model, p, r, ended=e) for (p, r), e in zip(pairs, flags, strict=True)]
+        recorded = list(recorded) if recorded is not None else [None] * len(encs)
         order = sorted(range(len(encs)), key=lambda i: -encs[i].input_ids.shape[1])  # less padding
         lengths = [int(encs[i].input_ids.shape[1]) for i in order]
         out: list[Scores | None] = [None] * len(encs)
@@ -282,8 +314,9 @@ class Guard:
             for run in batching.token_budget_chunks(lengths, batch_size, batching.MAX_BATCH_TOKENS):
                 chunk = [order[j] for j in run]
                 items = [(encs[i].input_ids.to(self._device), encs[i].response_start) for i in chunk]
+                states = [reuse.states_for(recorded[i], ids) for i, (ids, _) in zip(chunk, items, strict=True)]
                 try:
-                    scores = self.scorer.score_batch(items, batch_size=batch_size)
+                    scores = self.scorer.score_batch(items, batch_size=batch_size, states=states)
                 except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                     raise ScoringError(f"scoring failed inside the model: {str(exc).splitlines()[0]}") from exc
                 for i, s in zip(chunk, scores, strict=True):
@@ -335,10 +368,12 @@ class Guard:
         replies: Sequence[tuple[str, bool]],
         *,
         generate_s: float | None = None,
+        recorded: Sequence[reuse.Recorded] | None = None,
     ) -> list[GuardedResponse]:
-        """score (batched) -> calibrate -> decide (-> escalate) -> audit, per response."""
+        """score (batched) -> calibrate -> decide (-> escalate) -> audit, per response.
+        ``recorded``: the hidden states generation recorded for each reply (``scoring.reuse``)."""
         t1 = time.perf_counter()
-        scores = self._score_many(prompts, replies)
+        scores = self._score_many(prompts, replies, recorded or [None] * len(replies))
         score_s = (time.perf_counter() - t1) / len(prompts)
         timings = {"score_s": score_s} if generate_s is None else {"generate_s": generate_s, "score_s": score_s}
         responses = [
@@ -357,7 +392,12 @@ class Guard:
             raise abstention
         return decided
 
-    def _score_many(self, prompts: Sequence[PromptLike], replies: Sequence[tuple[str, bool]]) -> list[Scores]:
+    def _score_many(
+        self,
+        prompts: Sequence[PromptLike],
+        replies: Sequence[tuple[str, bool]],
+        recorded: Sequence[reuse.Recorded],
+    ) -> list[Scores]:
         """One ``score_batch`` over the non-empty replies; if it fails, each alone, so that one
         bad reply does not invalidate the others."""
         out: list[Scores] = [
@@ -368,20 +408,20 @@ class Guard:
         if len(todo) > 1:
             try:
                 pairs = [(prompts[i], replies[i][0]) for i in todo]
-                got = self.score_batch(pairs, ended=[replies[i][1] for i in todo])
+                got = self._score_pairs(pairs, [replies[i][1] for i in todo], recorded=[recorded[i] for i in todo])
                 for i, s in zip(todo, got, strict=True):
                     out[i] = s
                 return out
             except ScoringError as exc:
                 log.warning("batch_scoring_failed", error=str(exc), note="scoring each reply alone")
         for i in todo:
-            out[i] = self._score_or_invalid(prompts[i], *replies[i])
+            out[i] = self._score_or_invalid(prompts[i], *replies[i], recorded[i])
         return out
 
-    def _score_or_invalid(self, prompt: PromptLike, text: str, ended: bool) -> Scores:
+    def _score_or_invalid(self, prompt: PromptLike, text: str, ended: bool, recorded: reuse.Recorded) -> Scores:
         """With a policy, a scoring failure becomes invalid scores, which its on_error handles."""
         try:
-            return self.score(prompt, text, ended=ended)
+            return self._score_one(prompt, text, ended, recorded)
         except ScoringError as exc:
             if self.policy is None:
                 raise
@@ -437,29 +477,47 @@ class Guard:
             **kwargs,  # the caller's settings win; the model's own config is never mutated
         }
 
-    def _generate_rows(self, prompts: Sequence[PromptLike], gen: dict[str, Any]) -> list[list[int]]:
-        """Each prompt's new token ids, up to and including the token where its row stopped."""
+    def _generate_rows(
+        self, prompts: Sequence[PromptLike], gen: dict[str, Any]
+    ) -> tuple[list[list[int]], list[reuse.Recorded]]:
+        """Each prompt's new token ids, up to and including the token where its row stopped, and
+        what generation recorded for scoring each row (``scoring.reuse``; None where nothing)."""
         rows = [layout.prompt_ids(self.tokenizer, p) for p in prompts]
         for ids in rows:
             layout.check_fits(self.model, len(ids) + 1)
         input_ids, mask = batching.left_pad(rows, self._pad_id, self._device)
         gen = _one_reply_within_context(gen, int(input_ids.shape[1]), layout.context_length(self.model))
         gen, recorder = batching.recorder_settings(gen, int(input_ids.shape[1]))
-        out = self._model_generate(input_ids, mask, gen)
-        return recorder.rows(out[:, input_ids.shape[1] :])
+        out, states = self._model_generate(input_ids, mask, gen)
+        pads = [int(input_ids.shape[1]) - len(r) for r in rows]
+        return recorder.rows(out[:, input_ids.shape[1] :]), reuse.recorded_rows(states, out, pads)
 
-    def _run_generate(self, ids: list[int], gen: dict[str, Any]) -> list[int]:
-        """The new token ids ``model.generate`` appends to the prompt ``ids`` (one row: ``stream``)."""
+    def _run_generate(
+        self, ids: list[int], gen: dict[str, Any], recorded: list[reuse.Recorded] | None = None
+    ) -> list[int]:
+        """The new token ids ``model.generate`` appends to the prompt ``ids`` (one row: ``stream``);
+        what it recorded for scoring is appended to ``recorded``."""
         gen = _one_reply_within_context(gen, len(ids), layout.context_length(self.model))
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
-        return self._model_generate(input_ids, torch.ones_like(input_ids), gen)[0, len(ids) :].tolist()
+        out, states = self._model_generate(input_ids, torch.ones_like(input_ids), gen)
+        if recorded is not None:
+            recorded += reuse.recorded_rows(states, out, [0])
+        return out[0, len(ids) :].tolist()
 
-    def _model_generate(self, input_ids: torch.Tensor, mask: torch.Tensor, gen: dict[str, Any]) -> torch.Tensor:
+    def _model_generate(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, gen: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model.generate``'s output, and the hidden states entering the first scored block at
+        every position it fed the model, where scoring can start there (else None)."""
+        k = self.scorer.reuse_block if reuse.plain_decoding(gen) else None
+        capture = reuse.StateCapture(self.model, k) if k is not None else contextlib.nullcontext()
         with model_lock(self.model), torch.no_grad():
             was_training = self.model.training
             self.model.eval()
             try:
-                return self.model.generate(input_ids=input_ids, attention_mask=mask, **gen)
+                with capture:
+                    out = self.model.generate(input_ids=input_ids, attention_mask=mask, **gen)
+                return out, capture.states() if k is not None else None
             except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
                 # The caller's generation settings reach transformers unchecked; it rejects them.
                 raise InputError(f"invalid generation settings: {_first_line(exc)}") from exc

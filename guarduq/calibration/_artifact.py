@@ -71,6 +71,7 @@ class Artifact(BaseModel):
     model: _ModelRef
     features: list[str]
     feature_set: str | None = None
+    parameter_set: str | None = None  # absent before it was recorded: every such fit scored all
     scaler: _Scaler
     logistic: _Logistic
     n_fit: int

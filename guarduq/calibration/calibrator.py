@@ -72,6 +72,7 @@ from guarduq.calibration.thresholds import (
     start_threshold,
 )
 from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
+from guarduq.scoring.uncertainty import ALL_PARAMETERS
 
 log = get_logger("calibration")
 
@@ -102,7 +103,8 @@ class Calibrator:
     to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`), and the
     model's ``model_name`` / ``model_fingerprint`` the artifact is bound to. Fitted state ends in
     ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
-    within).
+    within, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
+    any other set are refused, as their epistemic is another quantity).
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class Calibrator:
         self.evaluation_: Evaluation | None = None
         self.cv_: dict[str, Any] | None = None
         self.groups_: list[str] | None = None
+        self.parameter_set_: str = ALL_PARAMETERS
         self._sha256: str | None = None
         self.created_: str | None = None
 
@@ -157,6 +160,13 @@ class Calibrator:
         ``groups`` (one name per item, e.g. its dataset) is needed by ``within_groups=True``.
         """
         scores = list(scores)
+        sets = {_parameter_set(s) for s in scores}
+        if len(sets) > 1:
+            raise CalibrationError(
+                f"the scores were taken over different parameter sets ({sorted(sets)}): "
+                "fit one calibrator per set"
+            )
+        self.parameter_set_ = sets.pop() if sets else ALL_PARAMETERS
         codes, names = self._group_codes(groups, len(scores))
         missing = missing_features(scores, self.features)
         if missing and scores:
@@ -277,11 +287,22 @@ class Calibrator:
         """P(wrong | scores) per response; 1.0 (fail closed) for invalid or non-finite scores."""
         self._check_fitted()
         scores = list(scores)
+        self.check_parameter_set(scores)
         X, ok = feature_matrix(scores, self.features)
         risk = np.ones(len(scores), dtype=float)
         if ok.any():
             risk[ok] = self.pipeline_.predict_proba(X[ok])[:, 1]
         return risk
+
+    def check_parameter_set(self, scores: Iterable[ScoreLike] | str) -> None:
+        """``CalibrationError`` unless ``scores`` (or a parameter-set name) match the fitted set."""
+        names = {scores} if isinstance(scores, str) else {_parameter_set(s) for s in scores}
+        for name in names - {self.parameter_set_}:
+            raise CalibrationError(
+                f"calibrator was fitted on gradients over parameters '{self.parameter_set_}', not "
+                f"'{name}': epistemic is another quantity there (score with the calibrator's set, "
+                "or fit one for this set)"
+            )
 
     def risk(self, scores: ScoreLike) -> float:
         """``predict_risk`` for one response."""
@@ -402,6 +423,7 @@ class Calibrator:
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
             "features": list(self.features),
             "feature_set": self.feature_set,
+            "parameter_set": self.parameter_set_,
             "scaler": {"mean": scaler.mean_.tolist(), "scale": scaler.scale_.tolist()},
             "logistic": {
                 "coef": logistic.coef_[0].tolist(),
@@ -495,6 +517,7 @@ class Calibrator:
             art.logistic.C, art.n_fit,
         )
         self.C_ = art.logistic.C
+        self.parameter_set_ = art.parameter_set or ALL_PARAMETERS
         self.within_groups = art.logistic.within is not None
         self.groups_ = art.logistic.within
         self.cv_ = art.logistic.cv.model_dump() if art.logistic.cv is not None else None
@@ -543,3 +566,9 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return _jsonable(obj.item())
     return obj
+
+
+def _parameter_set(s: ScoreLike) -> str:
+    """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
+    value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
+    return str(value) if value else ALL_PARAMETERS

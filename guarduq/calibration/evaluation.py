@@ -77,8 +77,14 @@ class ScoredItem:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.id, self.prompt_hash, self.model_fingerprint)
+    def key(self) -> tuple[str, str, str, str]:
+        """One record per item, prompt, model and parameter set (scores over another set are
+        another quantity; a cache may hold both)."""
+        return (self.id, self.prompt_hash, self.model_fingerprint, self.parameter_set)
+
+    @property
+    def parameter_set(self) -> str:
+        return str((self.scores or {}).get("parameter_set") or "all")
 
     @property
     def usable(self) -> bool:
@@ -97,7 +103,7 @@ class ScoreCache:
     def __init__(self, path: str | os.PathLike[str], *, read_only: bool = False) -> None:
         self.path = Path(path)
         self.read_only = read_only  # a reader beside a live writer: never repair, never append
-        self.entries: dict[tuple[str, str, str], ScoredItem] = {}
+        self.entries: dict[tuple[str, str, str, str], ScoredItem] = {}
         if not read_only:  # a read-only folder or a full disk fails here, not after an hour of scoring
             check_writable(self.path, "scoring cache")
         self._load()
@@ -140,8 +146,8 @@ class ScoreCache:
             raise ValueError(str(exc)) from exc
         self.entries[rec.key] = rec
 
-    def get(self, item: Item, fingerprint: str) -> ScoredItem | None:
-        return self.entries.get((item.id, item.prompt_hash, fingerprint))
+    def get(self, item: Item, fingerprint: str, parameter_set: str = "all") -> ScoredItem | None:
+        return self.entries.get((item.id, item.prompt_hash, fingerprint, parameter_set))
 
     def append(self, rec: ScoredItem) -> None:
         if self.read_only:
@@ -150,6 +156,12 @@ class ScoreCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         append_line(self.path, line.encode(), "scoring cache")
         self.entries[rec.key] = rec
+
+
+def parameter_set_of(guard: Any) -> str:
+    """The parameter set a Guard (``guard.scorer``) or a pool of them (``RayScorer``) scores over."""
+    scorer = getattr(guard, "scorer", None)
+    return str(getattr(scorer, "parameter_set", None) or getattr(guard, "parameter_set", None) or "all")
 
 
 def score_item(guard: GuardLike, item: Item, *, max_new_tokens: int = QA_MAX_NEW_TOKENS) -> ScoredItem:
@@ -287,10 +299,11 @@ def score_dataset(
     items = list(items)
     size = batching.check_batch_size(batch_size)
     fp = guard.info.fingerprint
+    pset = parameter_set_of(guard)
     cache = ScoreCache(cache_path) if cache_path is not None else None
     results: dict[tuple[str, str], ScoredItem] = {}  # by _slot: one id may come in two prompt styles
     for item in items:
-        hit = cache.get(item, fp) if cache else None
+        hit = cache.get(item, fp, pset) if cache else None
         if hit is not None:
             results[_slot(item)] = hit
     batches = [b for b in batching.chunked(items, size) if any(_slot(i) not in results for i in b)]

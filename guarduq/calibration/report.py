@@ -259,7 +259,8 @@ def _html(ev: Evaluation, cal: Calibrator | None) -> str:
         parts += [
             "<h2>Calibrator</h2>",
             f"<p>Artifact sha256 <code>{_fmt(cal.sha256)}</code>, created {_fmt(cal.created_)}. "
-            f"Feature set <code>{_fmt(cal.feature_set or 'custom')}</code>; L2 strength C = "
+            f"Feature set <code>{_fmt(cal.feature_set or 'custom')}</code>, gradients over parameters "
+            f"<code>{_fmt(cal.parameter_set_)}</code> (scores over another set are refused); L2 strength C = "
             f"{cal.C_:.3g} ({'chosen by ' + str(cal.cv_['folds']) + '-fold CV on log loss' if cal.cv_ else 'fixed'}). "
             f"Logistic regression on standardised features (coefficients on P(wrong): {coefs}; "
             f"intercept {lg.intercept_[0]:+.3f}) fitted on {cal.n_fit_} items ({cal.n_fit_invalid_} invalid excluded); it predicts "

@@ -14,12 +14,31 @@ def run_args(p: argparse.ArgumentParser, *, ray: bool = True) -> None:
                    help="items per batched generate/forward/backward (default 8; 1 = one at a time)")
     p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16; scores stay fp32/fp64")
+    parameter_set_arg(p)
     if ray:
         p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                        help="score on Ray actors, one model each: a local Ray instance, or the cluster "
                             "at ADDRESS ('auto', 'ray://host:10001'); needs pip install 'guarduq[ray]'")
         p.add_argument("--ray-cpus-per-actor", type=int, default=4,
                        help="CPU cores per actor when the cluster has no GPU (default 4)")
+
+
+def parameter_set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parameter-set", metavar="NAME",
+                   help="parameters the epistemic gradient covers: 'all', 'last_n_blocks=N' or a "
+                        "recorded set name (default: the calibrator's, else guarduq's default)")
+
+
+def parameter_kwargs(name: str | None) -> dict[str, Any]:
+    """Guard arguments for ``--parameter-set`` (nothing when it is not given)."""
+    if name is None:
+        return {}
+    from guarduq.scoring.uncertainty import ALL_PARAMETERS, parse_parameter_set
+
+    patterns, last_n = parse_parameter_set(name)
+    if patterns is None and last_n is None:
+        return {"parameters": ALL_PARAMETERS}
+    return {"parameters": patterns, "last_n_blocks": last_n}
 
 
 def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:
@@ -29,11 +48,14 @@ def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:
     if getattr(args, "ray", None) is not None:
         from guarduq.distributed import RayScorer
 
+
         pool = RayScorer(model_spec, address=args.ray or None, cpus_per_actor=args.ray_cpus_per_actor,
-                         device=args.device, dtype=args.dtype)
+                         device=args.device, dtype=args.dtype,
+                         scoring=parameter_kwargs(getattr(args, "parameter_set", None)))
         return pool, pool.chat_template
     from guarduq.guard import Guard  # heavy import (torch) only when needed
     from guarduq.layout import has_chat_template
 
-    guard = Guard(model_spec, device=args.device, dtype=args.dtype)
+    guard = Guard(model_spec, device=args.device, dtype=args.dtype,
+                  **parameter_kwargs(getattr(args, "parameter_set", None)))
     return guard, has_chat_template(guard.tokenizer)

@@ -339,6 +339,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     }
     payload["coefficients"] = cal.coefficients()
     payload["feature_set"] = cal.feature_set
+    payload["parameter_set"] = cal.parameter_set_
     payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
     payload["within_datasets"] = cal.groups_
     header = (
@@ -399,7 +400,8 @@ def _size_warnings(
 def _coef_text(cal: Calibrator) -> str:
     """Feature set, chosen C and one line per standardised coefficient with its sign."""
     how = f"chosen by {cal.cv_['folds']}-fold CV ({cal.cv_['scoring']})" if cal.cv_ else "fixed"
-    lines = [f"features: {cal.feature_set or 'custom'}; C = {cal.C_:.3g} ({how})"]
+    lines = [f"features: {cal.feature_set or 'custom'}; gradient over parameters: {cal.parameter_set_}; "
+             f"C = {cal.C_:.3g} ({how})"]
     if cal.groups_:
         lines.append(f"directions learned within each dataset: {', '.join(cal.groups_)}")
     lines.append("coefficients on P(wrong), standardised (+ = larger value, more risk):")
@@ -416,6 +418,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     spec = args.model or cal.model_name
     if not spec:
         raise InputError("the calibrator names no model; pass --model")
+    if args.parameter_set is None:  # score over the parameters the calibrator was fitted on
+        args.parameter_set = cal.parameter_set_
     guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
         args,
         spec,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tqdm.auto import tqdm
 
 from guarduq.cli._help import with_example
-from guarduq.cli._run import open_scorer, run_args
+from guarduq.cli._run import open_scorer, parameter_kwargs, parameter_set_arg, run_args
 from guarduq.errors import DatasetError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -72,6 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", help="cpu (default), cuda or cuda:N")
     g.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16")
+    parameter_set_arg(g)
     g.set_defaults(func=_cmd_generate)
 
     d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores",
@@ -161,7 +162,7 @@ def _parse_requests(lines: Iterable[str], where_from: str) -> list[ScoreRequest]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    guard = _guard(args.model, device=args.device, dtype=args.dtype)
+    guard = _guard(args.model, device=args.device, dtype=args.dtype, **parameter_kwargs(args.parameter_set))
     r = guard.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     row = _row(guard, r.scores, text=r.text, ended=r.ended)
     if args.json:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.cli._help import with_example
+from guarduq.cli._run import parameter_kwargs, parameter_set_arg
 from guarduq.errors import GuardUQError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -20,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        **with_example("guarduq serve --model smollm2-135m-instruct --policy policies/default.yaml "
                                       "--audit audit.jsonl --port 8000"))
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    parameter_set_arg(p)
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
     p.add_argument("--audit", type=Path, help="append one JSON line per request to this file")
@@ -111,7 +113,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from guarduq.calibration.drift import load_reference
     from guarduq.guard import Guard
 
-    guard = Guard(args.model, policy=args.policy, calibrator=args.calibrator, audit=args.audit)
+    guard = Guard(args.model, policy=args.policy, calibrator=args.calibrator, audit=args.audit,
+                  **parameter_kwargs(args.parameter_set))
     features = guard.calibrator.features if guard.calibrator is not None else ()
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),

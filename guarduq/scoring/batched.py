@@ -37,6 +37,7 @@ from torch import nn
 
 from guarduq._logging import get_logger
 from guarduq.errors import InputError
+from guarduq.scoring.reuse import pad_states
 from guarduq.scoring.uncertainty import (
     GradientScorer,
     Scores,
@@ -70,9 +71,18 @@ class BatchedScorer:
         self.groups = scorer._groups
         self.reason = _static_reason(self.model, self.selected)
 
-    def score(self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None) -> list[Scores]:
-        """Scores in the order of ``items``; batches group similar lengths (less padding)."""
+    def score(
+        self,
+        items: Sequence[tuple[torch.Tensor, int]],
+        batch_size: int | None = None,
+        states: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[Scores]:
+        """Scores in the order of ``items``; batches group similar lengths (less padding).
+        ``states``: recorded states per item (``GradientScorer.score``), all given or none."""
         items = list(items)
+        states = list(states) if states is not None else [None] * len(items)
+        if any(st is None for st in states) and any(st is not None for st in states):
+            raise InputError("states must be given for every item of a batch or for none")
         if batch_size is not None and batch_size < 1:
             raise InputError(f"batch_size must be >= 1, got {batch_size}")
         for ids, start in items:
@@ -85,22 +95,25 @@ class BatchedScorer:
         out: list[Scores | None] = [None] * len(items)
         for k in range(0, len(order), size):
             chunk = order[k : k + size]
-            for i, s in zip(chunk, self._score_chunk([items[i] for i in chunk]), strict=True):
+            got = self._score_chunk([items[i] for i in chunk], [states[i] for i in chunk])
+            for i, s in zip(chunk, got, strict=True):
                 out[i] = s
         return out  # type: ignore[return-value]
 
-    def _score_chunk(self, items: list[tuple[torch.Tensor, int]]) -> list[Scores]:
+    def _score_chunk(
+        self, items: list[tuple[torch.Tensor, int]], states: list[torch.Tensor | None]
+    ) -> list[Scores]:
         reason = self.reason
         if reason is None:
             try:
                 with model_lock(self.model), _scoring_state(self.model, ()):
-                    return self._batched(items)
+                    return self._batched(items, states)
             except _Unsupported as exc:
                 reason = str(exc)
         log.warning("batched_scoring_fallback", reason=reason, batch=len(items), path="sequential")
-        return [self.scorer.score(ids, start) for ids, start in items]
+        return [self.scorer.score(ids, start, st) for (ids, start), st in zip(items, states, strict=True)]
 
-    def _batched(self, items: list[tuple[torch.Tensor, int]]) -> list[Scores]:
+    def _batched(self, items: list[tuple[torch.Tensor, int]], states: list[torch.Tensor | None]) -> list[Scores]:
         model, n_batch = self.model, len(items)
         lengths = [int(ids.shape[1]) for ids, _ in items]
         starts = [s for _, s in items]
@@ -109,13 +122,16 @@ class BatchedScorer:
         ids = torch.zeros(n_batch, full, dtype=torch.long, device=device)  # right padding, id 0
         for i, (x, _) in enumerate(items):
             ids[i, : lengths[i]] = x[0]
+        batch_states = None
+        if states and states[0] is not None:  # right-padded like ids (``reuse.pad_states``)
+            batch_states = torch.cat([pad_states(st, full) for st in states if st is not None])
         real = torch.arange(full, device=device) < torch.tensor(lengths, device=device)[:, None]
         totals = torch.zeros(n_batch, len(self.selected), dtype=torch.float64)
         tape = _Tape(model, self.selected, real, totals)
         vocab = _VocabGradients.attach(model, ids, self.selected, lengths)
         try:
             t0 = time.perf_counter()
-            with torch.enable_grad():
+            with torch.enable_grad(), self.scorer.skipping(batch_states, full):
                 tok_logp, entropy, rows = self._forward(ids, vocab, starts, lengths)
                 probs = tok_logp.exp()
                 p_bars = torch.stack([probs[r].mean() for r in rows])
@@ -166,7 +182,7 @@ class BatchedScorer:
         handle = head.register_forward_pre_hook(pack)
         try:
             try:
-                logits = self.model(**inputs, position_ids=positions, logits_to_keep=keep).logits
+                logits = self.model(**inputs, position_ids=positions, logits_to_keep=keep, use_cache=False).logits
             except TypeError:  # models whose forward has no logits_to_keep
                 logits = self.model(**inputs, position_ids=positions).logits
         except TypeError as exc:

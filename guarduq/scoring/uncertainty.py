@@ -14,8 +14,8 @@ peak memory is the activations plus the largest single parameter gradient.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import re
 import threading
 import time
 import weakref
@@ -27,10 +27,25 @@ import torch
 from torch import nn
 
 from guarduq.errors import InputError
+from guarduq.scoring.memory import checkpoint_blocks
+from guarduq.scoring.parameters import (  # noqa: F401 - re-exported: the scorer's public names
+    ALL_PARAMETERS,
+    _call,
+    grad_profile,
+    parameter_groups,
+    parameter_set_id,
+    parse_parameter_set,
+    select_parameters,
+)
+from guarduq.scoring.reuse import first_scored_block, pad_states, skip_blocks
 
 # Every *uncertainty* score follows "higher = more uncertain". Confidence-like quantities
 # (mean_token_prob, mean_logprob, min_token_prob) keep their own names.
 UNCERTAINTY_FIELDS = ("epistemic", "aleatoric", "mean_entropy")
+
+# Sequences longer than this are scored with activation checkpointing (``scoring.memory``); chosen
+# from benchmarks/long_context.py, where storing every block's activations stops paying.
+CHECKPOINT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,9 @@ class Scores:
     timings: dict[str, float] = field(default_factory=dict)
     # ‖∇p̄‖² split by parameter group (see ``parameter_groups``); sums to ``epistemic``.
     grad_profile: dict[str, float] = field(default_factory=dict)
+    # which parameters the gradient covered (``parameter_set_id``); scores taken over different
+    # sets are different quantities, and a calibrator reads only its own
+    parameter_set: str = "all"
 
     def to_dict(self, with_token_probs: bool = True, with_grad_profile: bool = True) -> dict[str, Any]:
         """JSON-friendly fields; log lines drop the per-token and per-group lists to stay short."""
@@ -69,91 +87,8 @@ class Scores:
         kw["token_probs"] = tuple(kw.get("token_probs", ()))
         kw.setdefault("timings", {})
         kw["grad_profile"] = dict(kw.get("grad_profile") or {})  # absent in caches written before it
+        kw["parameter_set"] = kw.get("parameter_set") or "all"  # every earlier cache scored all
         return cls(**kw)
-
-
-# --------------------------------------------------------------------------- parameter selection
-
-_BLOCK_INDEX = re.compile(r"\.(?:layers|h|blocks|block|layer)\.(\d+)\.")
-
-
-def select_parameters(
-    model: nn.Module,
-    patterns: str | Sequence[str] | None = None,
-    last_n_blocks: int | None = None,
-) -> list[tuple[str, nn.Parameter]]:
-    """Parameters that enter the gradient norm (default: all; tied weights once).
-
-    ``patterns`` are regular expressions searched in parameter names; ``last_n_blocks`` keeps the
-    parameters of the last N transformer blocks. Both given: a parameter must satisfy both.
-    """
-    named = list(model.named_parameters())  # de-duplicates tied parameters
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if patterns is not None:
-        try:
-            regexes = [re.compile(p) for p in patterns]
-        except re.error as exc:
-            raise InputError(f"invalid parameter pattern: {exc}") from exc
-        named = [(n, p) for n, p in named if any(r.search(n) for r in regexes)]
-    if last_n_blocks is not None:
-        if last_n_blocks < 1:
-            raise InputError(f"last_n_blocks must be >= 1, got {last_n_blocks}")
-        indices = {int(m.group(1)) for n, _ in named if (m := _BLOCK_INDEX.search(n))}
-        if not indices:
-            raise InputError("last_n_blocks given but no numbered transformer blocks were found")
-        first = max(indices) - last_n_blocks + 1
-        named = [
-            (n, p) for n, p in named if (m := _BLOCK_INDEX.search(n)) and int(m.group(1)) >= first
-        ]
-    if not named:
-        raise InputError("no parameters selected for the gradient norm")
-    return named
-
-
-def parameter_groups(model: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> list[str]:
-    """The ``grad_profile`` group of each selected parameter.
-
-    ``embed``: token and position embeddings, and an LM head tied to them (one shared matrix,
-    one parameter, counted once, cross term included); ``head``: an untied LM head;
-    ``block.{i}.norm`` / ``.attn`` / ``.mlp`` / ``.other`` inside numbered block i (a norm
-    inside attention, e.g. Gemma's q_norm, is a norm); ``final_norm``; ``other``.
-    """
-    emb = _call(model, "get_input_embeddings")
-    head = _call(model, "get_output_embeddings")
-    head_params = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
-    modules = dict(model.named_modules())
-    groups = []
-    for name, p in selected:
-        path = name.rsplit(".", 1)[0] if "." in name else ""
-        leaf = path.rsplit(".", 1)[-1]
-        is_norm = "norm" in leaf.lower() or leaf.startswith("ln")
-        if (isinstance(emb, nn.Module) and p is getattr(emb, "weight", None)) or isinstance(
-            modules.get(path), nn.Embedding
-        ):
-            groups.append("embed")
-        elif id(p) in head_params:
-            groups.append("head")
-        elif m := _BLOCK_INDEX.search(name):
-            rest = name[m.end() :].lower()
-            kind = (
-                "norm" if is_norm
-                else "attn" if "attn" in rest or "attention" in rest
-                else "mlp" if "mlp" in rest or "ffn" in rest or "feed_forward" in rest
-                else "other"
-            )
-            groups.append(f"block.{m.group(1)}.{kind}")
-        else:
-            groups.append("final_norm" if is_norm else "other")
-    return groups
-
-
-def grad_profile(groups: Sequence[str], totals: Sequence[float]) -> dict[str, float]:
-    """Per-group sums (math.fsum) of the per-parameter squared norms, in first-seen order."""
-    parts: dict[str, list[float]] = {}
-    for g, v in zip(groups, totals, strict=True):
-        parts.setdefault(g, []).append(v)
-    return {g: math.fsum(v) for g, v in parts.items()}
 
 
 # --------------------------------------------------------------------------- probabilities
@@ -188,7 +123,7 @@ def response_log_probs(
     keep = length - response_start + 1  # positions response_start-1 .. L-1
     inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     try:
-        logits = model(**inputs, logits_to_keep=keep).logits
+        logits = model(**inputs, logits_to_keep=keep, use_cache=False).logits  # a KV cache: memory for nothing
     except TypeError:  # models whose forward has no logits_to_keep
         logits = model(**inputs).logits
     logits = logits[0, -keep:-1]
@@ -220,31 +155,85 @@ class GradientScorer:
         model: nn.Module,
         parameters: str | Sequence[str] | None = None,
         last_n_blocks: int | None = None,
+        checkpoint_tokens: int | None = CHECKPOINT_TOKENS,
     ) -> None:
         self.model = model
         self.parameters = parameters
         self.last_n_blocks = last_n_blocks
+        self.checkpoint_tokens = checkpoint_tokens
         self._selected = select_parameters(model, parameters, last_n_blocks)
         self._groups = parameter_groups(model, self._selected)
         self.n_params = sum(p.numel() for _, p in self._selected)
+        self.parameter_set = parameter_set_id(parameters, last_n_blocks)
+        # k: scoring may start at block k from states generation recorded (None: it may not)
+        self.reuse_block = first_scored_block(model, self._selected, self._groups)
         self._batched: Any = None
 
     def score_batch(
-        self, items: Sequence[tuple[torch.Tensor, int]], batch_size: int | None = None
+        self,
+        items: Sequence[tuple[torch.Tensor, int]],
+        batch_size: int | None = None,
+        states: Sequence[torch.Tensor | None] | None = None,
     ) -> list[Scores]:
         """``score`` of each (input_ids [1, L], response_start), ``batch_size`` sequences per
         forward+backward (default: all at once); see ``guarduq.scoring.batched``. Equal to ``score`` up
         to float rounding; ``timings`` are amortised: the batch's forward and backward seconds
-        divided by its size, so they sum to the batch's wall time."""
+        divided by its size, so they sum to the batch's wall time. ``states``: as in ``score``,
+        one per item (None where there are none). Sequences longer than ``checkpoint_tokens`` are
+        scored one at a time, with activation checkpointing."""
         if self._batched is None:
             from guarduq.scoring.batched import BatchedScorer  # it builds on this module
 
             self._batched = BatchedScorer(self)
-        return self._batched.score(items, batch_size)
+        items = list(items)
+        states = list(states) if states is not None else [None] * len(items)
+        if len(states) != len(items):
+            raise InputError(f"{len(states)} states for {len(items)} items")
+        out: list[Scores | None] = [None] * len(items)
+        for with_states in (False, True):  # a batch runs all its sequences through the same blocks
+            idx = [
+                i for i, st in enumerate(states)
+                if (st is not None) == with_states and not self._checkpointed(items[i][0])
+            ]
+            if idx:
+                got = self._batched.score([items[i] for i in idx], batch_size, [states[i] for i in idx])
+                for i, s in zip(idx, got, strict=True):
+                    out[i] = s
+        for i, s in enumerate(out):
+            if s is None:
+                out[i] = self.score(*items[i], states=states[i])
+        return out  # type: ignore[return-value]
 
-    def score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
-        with model_lock(self.model), _scoring_state(self.model, [p for _, p in self._selected]):
+    def score(
+        self, input_ids: torch.Tensor, response_start: int, states: torch.Tensor | None = None
+    ) -> Scores:
+        """Scores of one sequence. ``states`` [1, ≥ L-1, d]: the hidden states entering block
+        ``reuse_block`` at its positions, recorded during generation (``guarduq.scoring.reuse``);
+        the blocks below are then not run."""
+        with (
+            model_lock(self.model),
+            _scoring_state(self.model, [p for _, p in self._selected]),
+            self.skipping(states, int(input_ids.shape[1]) if isinstance(input_ids, torch.Tensor) else 0),
+            self._checkpointing(input_ids),
+        ):
             return self._score(input_ids, response_start)
+
+    def skipping(self, states: torch.Tensor | None, length: int) -> Any:
+        """Context in which blocks below ``reuse_block`` return ``states`` (a no-op without)."""
+        if states is None:
+            return contextlib.nullcontext()
+        if self.reuse_block is None:
+            raise InputError("recorded states given, but the scored parameters do not allow skipping blocks")
+        return skip_blocks(self.model, self.reuse_block, pad_states(states, length))
+
+    def _checkpointed(self, input_ids: torch.Tensor) -> bool:
+        long = isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 and input_ids.shape[1] > (self.checkpoint_tokens or 0)
+        return self.checkpoint_tokens is not None and bool(long)
+
+    def _checkpointing(self, input_ids: torch.Tensor) -> Any:
+        if not self._checkpointed(input_ids):
+            return contextlib.nullcontext()
+        return checkpoint_blocks(self.model, self.reuse_block or 0)
 
     def _score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
         totals = [0.0] * len(self._selected)
@@ -321,6 +310,7 @@ class GradientScorer:
             reason=reason,
             timings=dict(timings),
             grad_profile=grad_profile(self._groups, totals),
+            parameter_set=self.parameter_set,
         )
 
 
@@ -469,14 +459,6 @@ def _gram(d: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
         p = part.double()
         out += p @ p.mT
     return out
-
-
-def _call(model: nn.Module, name: str) -> Any:
-    fn = getattr(model, name, None)
-    try:
-        return fn() if callable(fn) else None
-    except NotImplementedError:
-        return None
 
 
 def _squared_norm(g: torch.Tensor, chunk: int = 1 << 20) -> float:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,21 +12,15 @@ import pytest
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
 
 from guarduq import Guard, LoadedModel  # noqa: E402
 from guarduq.serve import Settings, create_app  # noqa: E402
+from tests.unit.serve_helpers import serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-guarduq-test-key-0123456789"
 MESSAGES = [{"role": "system", "content": "Answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +33,9 @@ def server(real_guard: Guard, tmp_path_factory: pytest.TempPathFactory) -> Itera
     g = real_guard
     guard = Guard(LoadedModel(g.model, g.tokenizer, g.info), policy=tmp / "policy.yaml",
                   audit=tmp / "audit.jsonl")
-    port = free_port()
     app = create_app(guard, settings=Settings(api_keys=(KEY,), model_ids=("smollm2-135m-instruct",)))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield {"base_url": f"http://127.0.0.1:{port}/v1", "guard": guard, "audit": tmp / "audit.jsonl"}
-    srv.should_exit = True
-    thread.join(10)
+    with serving(app) as port:
+        yield {"base_url": f"http://127.0.0.1:{port}/v1", "guard": guard, "audit": tmp / "audit.jsonl"}
 
 
 def client(server: dict[str, Any], key: str = KEY) -> Any:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -76,3 +79,29 @@ def fake_app(tokenizer: Any, **settings: Any) -> tuple[Any, FakeGuard]:
     guard_kw = {k: settings.pop(k) for k in ("delay", "batch", "policy") if k in settings}
     guard = FakeGuard(tokenizer, **guard_kw)
     return create_app(guard, settings=Settings(**settings)), guard  # type: ignore[arg-type]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[int]:
+    """uvicorn serving ``app`` on a free loopback port in a thread, for the block; yields the port."""
+    import uvicorn
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        thread.join(10)

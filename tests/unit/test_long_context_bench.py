@@ -1,0 +1,27 @@
+"""benchmarks/long_context.py --quick: the benchmark's own pipeline on a tiny model (seconds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_long_context_quick_runs_every_table(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop("long_context", None)
+    import long_context
+
+    assert long_context.main(["--quick", "--default-set", "last_n_blocks=2"]) == 0
+    page = capsys.readouterr().out
+    assert "guarded generation over `last_n_blocks=2`" in page
+    for heading in ("Guarded generation against unguarded", "## Memory",
+                    "Scoring cost per parameter set", "Where the time goes"):
+        assert heading in page
+    # every generation row has a positive ratio for both guarded modes
+    rows = [line for line in page.splitlines() if line.startswith("| ") and "×** |" in line]
+    assert len(rows) == 2
