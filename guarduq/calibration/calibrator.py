@@ -71,8 +71,8 @@ from guarduq.calibration.thresholds import (
     select_threshold,
     start_threshold,
 )
-from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError
-from guarduq.scoring.uncertainty import ALL_PARAMETERS
+from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError, InputError
+from guarduq.scoring.parameters import ALL_PARAMETERS, parse_parameter_set
 
 log = get_logger("calibration")
 
@@ -518,6 +518,10 @@ class Calibrator:
         )
         self.C_ = art.logistic.C
         self.parameter_set_ = art.parameter_set or ALL_PARAMETERS
+        try:
+            parse_parameter_set(self.parameter_set_)
+        except InputError as exc:
+            raise ArtifactError(f"{path}: {exc}") from exc
         self.within_groups = art.logistic.within is not None
         self.groups_ = art.logistic.within
         self.cv_ = art.logistic.cv.model_dump() if art.logistic.cv is not None else None

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from guarduq import Guard
 from guarduq.calibration import Calibrator
@@ -291,3 +293,40 @@ def test_gemma3_reuse_and_checkpointing_equal_the_full_path(tok):
     # block's second forward sees the same keys as its first
     same_scores(GradientScorer(model, checkpoint_tokens=8).score(ids, 30),
                 GradientScorer(model, checkpoint_tokens=None).score(ids, 30), rel=1e-12)
+
+
+@given(
+    patterns=st.none() | st.lists(st.text(max_size=12), min_size=1, max_size=3),
+    last_n=st.none() | st.integers(min_value=1, max_value=64),
+)
+def test_parameter_set_names_round_trip_any_selection(patterns, last_n):
+    name = parameter_set_id(patterns, last_n)
+    assert parameter_set_id(*parse_parameter_set(name)) == name
+
+
+@given(name=st.text(max_size=40))
+def test_any_parameter_set_name_parses_or_is_refused_typed(name):
+    """Whatever an artifact or a flag holds: a typed refusal, or a name that is its own canonical form."""
+    try:
+        parsed = parse_parameter_set(name)
+    except InputError:
+        return
+    assert parameter_set_id(*parsed) == name
+
+
+def test_calibrator_with_a_malformed_parameter_set_is_refused(tmp_path):
+    import json
+
+    from guarduq.errors import ArtifactError
+
+    model = tiny_llama(layers=2)
+    rng = torch.Generator().manual_seed(7)
+    items = [(torch.randint(5, 200, (1, 16), generator=rng), 12) for _ in range(20)]
+    cal = _fitted(GradientScorer(model).score_batch(items), [i % 2 for i in range(20)])
+    path = tmp_path / "c.json"
+    cal.save(path)
+    doc = json.loads(path.read_text())
+    doc["parameter_set"] = "last_n_blocks=two"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactError, match="malformed parameter set"):
+        Calibrator.load(path)
