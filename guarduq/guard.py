@@ -38,7 +38,7 @@ from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
-from guarduq.scoring.uncertainty import GradientScorer, Scores, model_lock
+from guarduq.scoring.uncertainty import CHECKPOINT_TOKENS, GradientScorer, Scores, model_lock
 
 log = get_logger("guard")
 
@@ -110,7 +110,8 @@ class Guard:
 
     ``model`` is a spec for :func:`guarduq.load_model` (alias, folder, hub id, ``.gguf``), a
     ``LoadedModel``, or a ``(model, tokenizer)`` pair. ``parameters``/``last_n_blocks`` select
-    which parameters enter the epistemic gradient norm (default: all).
+    which parameters enter the epistemic gradient norm (default: the calibrator's set, else all;
+    ``parameters="all"`` names every parameter; docs/results/frontier.md says why all).
 
     Decisions (all optional): ``policy`` (a ``Policy`` or a YAML path) decides what the user sees;
     ``calibrator`` (a ``Calibrator`` or a JSON path; default: the one the policy names) turns
@@ -119,6 +120,9 @@ class Guard:
     replaces declared escalation sinks by name; ``allow_callables`` lists the exact import paths
     a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
     instead of returning a withheld answer.
+
+    ``checkpoint_tokens``: sequences longer than this are scored with activation checkpointing
+    (less memory, about a third more time on long prompts; None: never).
 
     ``device`` ("cpu", "cuda", "cuda:N") and ``dtype`` (float32, "bf16", "fp16") place the
     model (a model object is moved/cast in place); probabilities and gradient norms are still
@@ -141,6 +145,7 @@ class Guard:
         raise_on_abstain: bool = False,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        checkpoint_tokens: int | None = CHECKPOINT_TOKENS,
     ) -> None:
         if isinstance(model, str | os.PathLike):
             loaded = load_model(model, device=device, dtype=dtype)
@@ -158,7 +163,7 @@ class Guard:
         if isinstance(calibrator, str | os.PathLike):
             calibrator = Calibrator.load(calibrator, expected_fingerprint=self.info.fingerprint)
         self.calibrator = calibrator
-        self.scorer = GradientScorer(self.model, **resolve_selection(
+        self.scorer = GradientScorer(self.model, checkpoint_tokens=checkpoint_tokens, **resolve_selection(
             parameters, last_n_blocks, calibrator.parameter_set_ if calibrator is not None else None,
             default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
         ))
