@@ -129,8 +129,9 @@ def scoring_cost(guards_by_set: dict[str, Any], prompt: str, n_new: int) -> dict
     any_guard = next(iter(guards_by_set.values()))
     response = "word " * n_new
     enc = layout.encode(any_guard.tokenizer, any_guard.model, prompt, response, ended=False)
-    with torch.no_grad():
-        forward_s, _ = timed(lambda: any_guard.model(input_ids=enc.input_ids, logits_to_keep=1))
+    with torch.no_grad():  # warmed, and without a KV cache (Gemma would build one), like scoring
+        any_guard.model(input_ids=enc.input_ids[:, :16], use_cache=False)
+        forward_s, _ = timed(lambda: any_guard.model(input_ids=enc.input_ids, logits_to_keep=1, use_cache=False))
     out = {"forward_s": forward_s}
     for name, g in guards_by_set.items():
         out[name], _ = timed(lambda g=g: g.scorer.score(enc.input_ids, enc.response_start))

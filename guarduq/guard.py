@@ -99,10 +99,12 @@ class GuardedResponse:
         }
 
 
-def invalid_scores(reason: str, n_params: int = 0) -> Scores:
-    """Scores for a response that could not be scored: explicit ``valid=False``, never silent."""
+def invalid_scores(reason: str, n_params: int = 0, parameter_set: str = "all") -> Scores:
+    """Scores for a response that could not be scored: explicit ``valid=False``, never silent
+    (over the scorer's parameter set, so its calibrator turns them into risk 1.0, not an error)."""
     nan = math.nan
-    return Scores(nan, nan, nan, nan, nan, nan, 0, (), n_params, valid=False, reason=reason)
+    return Scores(nan, nan, nan, nan, nan, nan, 0, (), n_params, valid=False, reason=reason,
+                  parameter_set=parameter_set)
 
 
 class Guard:
@@ -406,7 +408,7 @@ class Guard:
         """One ``score_batch`` over the non-empty replies; if it fails, each alone, so that one
         bad reply does not invalidate the others."""
         out: list[Scores] = [
-            invalid_scores("the model produced an empty response", self.scorer.n_params)
+            invalid_scores("the model produced an empty response", self.scorer.n_params, self.scorer.parameter_set)
             for _ in replies
         ]
         todo = [i for i, (text, _) in enumerate(replies) if text.strip()]
@@ -430,7 +432,7 @@ class Guard:
         except ScoringError as exc:
             if self.policy is None:
                 raise
-            return invalid_scores(str(exc), self.scorer.n_params)
+            return invalid_scores(str(exc), self.scorer.n_params, self.scorer.parameter_set)
 
     def _decide(self, r: GuardedResponse) -> GuardedResponse:
         """calibrate -> decide -> audit; the audit line is on disk before the answer returns."""
@@ -515,7 +517,7 @@ class Guard:
         """``model.generate``'s output, and the hidden states entering the first scored block at
         every position it fed the model, where scoring can start there (else None)."""
         k = self.scorer.reuse_block if reuse.plain_decoding(gen) else None
-        capture = reuse.StateCapture(self.model, k) if k is not None else contextlib.nullcontext()
+        capture = reuse.StateCapture(self.scorer.blocks, k) if k is not None else contextlib.nullcontext()
         with model_lock(self.model), torch.no_grad():
             was_training = self.model.training
             self.model.eval()

@@ -84,7 +84,8 @@ class ScoredItem:
 
     @property
     def parameter_set(self) -> str:
-        return str((self.scores or {}).get("parameter_set") or "all")
+        """The set the scores cover; an item that could not be scored keeps its run's in ``extra``."""
+        return str((self.scores or {}).get("parameter_set") or self.extra.get("parameter_set") or "all")
 
     @property
     def usable(self) -> bool:
@@ -225,7 +226,8 @@ def score_items(
             "response": response, "scores": s.to_dict(), "ended": ended, **fields,
         }
     seconds = (time.perf_counter() - t0) / max(len(items), 1)
-    return [_record(item, guard.info.fingerprint, out[i], seconds) for i, item in enumerate(items)]
+    pset = parameter_set_of(guard)
+    return [_record(item, guard.info.fingerprint, out[i], seconds, pset) for i, item in enumerate(items)]
 
 
 def _each_or_error(run: Callable[[list[Any]], list[Any]], xs: list[Any]) -> list[Any]:
@@ -246,7 +248,9 @@ def _each_or_error(run: Callable[[list[Any]], list[Any]], xs: list[Any]) -> list
     return out
 
 
-def _record(item: Item, fingerprint: str, result: dict[str, Any] | Exception, seconds: float) -> ScoredItem:
+def _record(
+    item: Item, fingerprint: str, result: dict[str, Any] | Exception, seconds: float, parameter_set: str = "all"
+) -> ScoredItem:
     base = {
         "id": item.id,
         "dataset": item.dataset,
@@ -259,7 +263,8 @@ def _record(item: Item, fingerprint: str, result: dict[str, Any] | Exception, se
     if isinstance(result, Exception):  # e.g. a prompt too long for this model: skip the item, say why
         log.warning("item_not_scored", id=item.id, error=str(result))
         return ScoredItem(
-            **base, response=None, label=None, scores=None, error=f"{type(result).__name__}: {result}"
+            **base, response=None, label=None, scores=None, error=f"{type(result).__name__}: {result}",
+            extra={"parameter_set": parameter_set} if parameter_set != "all" else {},
         )
     return ScoredItem(**base, **result)
 

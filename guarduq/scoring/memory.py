@@ -26,26 +26,19 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from guarduq.scoring.reuse import decoder_blocks
+from guarduq.scoring.reuse import instance_forwards
 
 
 @contextmanager
-def checkpoint_blocks(model: nn.Module, first: int = 0) -> Iterator[None]:
+def checkpoint_blocks(blocks: nn.ModuleList | None, first: int = 0) -> Iterator[None]:
     """Within the block, blocks ``first``.. run under ``torch.utils.checkpoint`` (non-reentrant,
-    so parameter hooks and keyword arguments behave as without it). A model without a block list
-    is left as it is."""
-    blocks = decoder_blocks(model)
-    wrapped = list(blocks)[first:] if blocks is not None else []
-    for block in wrapped:
-        if "forward" in vars(block):  # already stood aside (``reuse.skip_blocks``): leave it
-            continue
-        block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
-    try:
+    so parameter hooks and keyword arguments behave as without it). Blocks stood aside by
+    ``reuse.skip_blocks`` are left alone; nothing happens without a block list."""
+    wrapped = [b for b in (list(blocks)[first:] if blocks is not None else [])
+               if not getattr(vars(b).get("forward"), "stood_aside", False)]
+    forwards = [functools.partial(_checkpointed, b.forward) for b in wrapped]  # the current forward,
+    with instance_forwards(wrapped, forwards):  # a dispatch hook's included
         yield
-    finally:
-        for block in wrapped:
-            if isinstance(vars(block).get("forward"), functools.partial):
-                del block.forward
 
 
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -28,17 +28,30 @@ import torch
 from torch import nn
 
 _BLOCK_LIST = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)$")
-_BLOCK_PARAM = re.compile(r"\.(?:layers|h|blocks|block|layer)\.(\d+)\.")
 # Outside the blocks, what may be scored without the lower blocks' own gradients.
 _ABOVE_BLOCKS = {"final_norm", "head"}
 
 
-def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The model's list of transformer blocks (``model.layers`` for Llama/Gemma, ``h`` for GPT-2)."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and _BLOCK_LIST.search(name):
-            return module
-    return None
+def decoder_blocks(
+    model: nn.Module, selected: Sequence[tuple[str, nn.Parameter]] | None = None
+) -> nn.ModuleList | None:
+    """The model's list of transformer blocks (``model.layers`` for Llama/Gemma, ``h`` for GPT-2).
+
+    With ``selected``, the list whose numbered blocks hold scored parameters, the largest if
+    several do (a multimodal model's language decoder, not its vision encoder)."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0 and _BLOCK_LIST.search(name)]
+    if selected is not None:
+        names = [n for n, _ in selected]
+        lists = [(name, m) for name, m in lists
+                 if any(re.match(re.escape(name) + r"\.\d+\.", n) for n in names)]
+        lists.sort(key=lambda nm: -sum(p.numel() for p in nm[1].parameters()))
+    return lists[0][1] if lists else None
+
+
+def _block_index(name: str, blocks_name: str) -> int | None:
+    m = re.match(re.escape(blocks_name) + r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def first_scored_block(
@@ -50,12 +63,14 @@ def first_scored_block(
     tied to it: its gradient needs the backward down to the embeddings), when k = 0 (nothing to
     skip), or when the model has no block list to stand aside.
     """
-    if decoder_blocks(model) is None:
+    blocks = decoder_blocks(model, selected)
+    if blocks is None:
         return None
+    blocks_name = next(n for n, m in model.named_modules() if m is blocks)
     indices = []
     for (name, _), group in zip(selected, groups, strict=True):
-        if m := _BLOCK_PARAM.search(name):
-            indices.append(int(m.group(1)))
+        if (i := _block_index(name, blocks_name)) is not None:
+            indices.append(i)
         elif group not in _ABOVE_BLOCKS:
             return None
     if not indices or min(indices) == 0:
@@ -72,10 +87,8 @@ class StateCapture:
     ordinary way.
     """
 
-    def __init__(self, model: nn.Module, k: int) -> None:
-        blocks = decoder_blocks(model)
-        assert blocks is not None and 0 < k <= len(blocks)
-        self.block = blocks[k - 1]
+    def __init__(self, blocks: nn.ModuleList, k: int) -> None:
+        self.block = blocks[k - 1]  # k comes from ``first_scored_block`` on this list: 0 < k < len
         self.pieces: list[torch.Tensor] = []
         self.ok = True
         self._handle: Any = None
@@ -140,23 +153,35 @@ def states_for(reuse: Recorded, input_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 @contextmanager
-def skip_blocks(model: nn.Module, k: int, states: torch.Tensor) -> Iterator[None]:
+def skip_blocks(blocks: nn.ModuleList, k: int, states: torch.Tensor) -> Iterator[None]:
     """Within the block, blocks 0..k-1 do no work and block k-1 returns ``states``
-    ([B, L, d], the scored batch's layout); every other module runs as usual."""
-    blocks = decoder_blocks(model)
-    assert blocks is not None and 0 < k <= len(blocks)
+    ([B, L, d], the scored batch's layout); every other module runs as usual. A ``forward``
+    already set on a block (accelerate's dispatch hooks) is put back afterwards."""
 
     def stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
         return states
 
+    stand_in.stood_aside = True  # type: ignore[attr-defined]  # memory.checkpoint_blocks skips it
     skipped = list(blocks)[:k]
-    for block in skipped:
-        block.forward = stand_in  # an instance attribute: nn.Module.__call__ calls it
+    with instance_forwards(skipped, [stand_in] * len(skipped)):
+        yield
+
+
+@contextmanager
+def instance_forwards(modules: Sequence[nn.Module], forwards: Sequence[Any]) -> Iterator[None]:
+    """Within the block, each module's ``forward`` is the given callable (an instance attribute,
+    which ``nn.Module.__call__`` calls); whatever instance attribute was there before returns."""
+    saved = [vars(m).get("forward") for m in modules]
     try:
+        for m, f in zip(modules, forwards, strict=True):
+            m.forward = f
         yield
     finally:
-        for block in skipped:
-            del block.forward
+        for m, f in zip(modules, saved, strict=True):
+            if f is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = f
 
 
 def pad_states(states: torch.Tensor, length: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from guarduq.scoring.parameters import (  # noqa: F401 - re-exported: the scorer
     parse_parameter_set,
     select_parameters,
 )
-from guarduq.scoring.reuse import first_scored_block, pad_states, skip_blocks
+from guarduq.scoring.reuse import decoder_blocks, first_scored_block, pad_states, skip_blocks
 
 # Every *uncertainty* score follows "higher = more uncertain". Confidence-like quantities
 # (mean_token_prob, mean_logprob, min_token_prob) keep their own names.
@@ -166,6 +166,7 @@ class GradientScorer:
         self._groups = parameter_groups(model, self._selected)
         self.n_params = sum(p.numel() for _, p in self._selected)
         self.parameter_set = parameter_set_id(parameters, last_n_blocks)
+        self.blocks = decoder_blocks(model, self._selected)  # the transformer blocks scored
         # k: scoring may start at block k from states generation recorded (None: it may not)
         self.reuse_block = first_scored_block(model, self._selected, self._groups)
         self._batched: Any = None
@@ -225,7 +226,7 @@ class GradientScorer:
             return contextlib.nullcontext()
         if self.reuse_block is None:
             raise InputError("recorded states given, but the scored parameters do not allow skipping blocks")
-        return skip_blocks(self.model, self.reuse_block, pad_states(states, length))
+        return skip_blocks(self.blocks, self.reuse_block, pad_states(states, length))
 
     def _checkpointed(self, input_ids: torch.Tensor) -> bool:
         long = isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 and input_ids.shape[1] > (self.checkpoint_tokens or 0)
@@ -234,7 +235,7 @@ class GradientScorer:
     def _checkpointing(self, input_ids: torch.Tensor) -> Any:
         if not self._checkpointed(input_ids):
             return contextlib.nullcontext()
-        return checkpoint_blocks(self.model, self.reuse_block or 0)
+        return checkpoint_blocks(self.blocks, self.reuse_block or 0)
 
     def _score(self, input_ids: torch.Tensor, response_start: int) -> Scores:
         totals = [0.0] * len(self._selected)

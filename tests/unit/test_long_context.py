@@ -104,7 +104,10 @@ def test_reuse_with_an_untied_head_and_final_norm(tok):
     model = tiny_llama(layers=4, tie=False).double()
     guard = Guard((model, tok), parameters=[r"layers\.3\.", r"model\.norm", "lm_head"], max_new_tokens=8)
     assert guard.scorer.reuse_block == 3
-    r = guard.generate("hi there", **no_blank(tok))
+    low = GradCalls(reuse.decoder_blocks(model)[2].mlp)
+    letters = set(tok.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz")))
+    r = guard.generate("hi there", suppress_tokens=[i for i in range(len(tok)) if i not in letters])
+    assert low.n == 0  # block 2 was stood aside: the states it would have made were recorded
     same_scores(r.scores, guard.score("hi there", r.text, ended=r.ended))
     assert set(r.scores.grad_profile) == {"block.3.norm", "block.3.attn", "block.3.mlp", "final_norm", "head"}
 
@@ -131,10 +134,16 @@ def test_states_without_a_reusable_selection_are_refused(tok):
 def test_checkpointing_equals_the_stored_activations(selection):
     model = tiny_llama(layers=3).double()
     ids = torch.randint(5, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    top = []
+    reuse.decoder_blocks(model)[2].mlp.register_forward_pre_hook(lambda *_: top.append(1))  # a pre-hook: the
+    # recompute stops as soon as it has what the backward needs, inside the MLP, before forward hooks
     plain = GradientScorer(model, checkpoint_tokens=None, **selection).score(ids, 25)
+    assert len(top) == 1
     checked = GradientScorer(model, checkpoint_tokens=16, **selection)
     assert checked._checkpointed(ids)
     same_scores(checked.score(ids, 25), plain, rel=1e-12)
+    assert len(top) == 3  # checkpointed: the block ran again in the backward
+    assert not any("forward" in vars(b) for b in reuse.decoder_blocks(model))  # nothing left behind
     # score_batch sends the long sequence to the checkpointed lean path, the short one batched
     short = ids[:, :12]
     got = checked.score_batch([(ids, 25), (short, 6)])
@@ -203,6 +212,10 @@ def test_calibrator_is_bound_to_its_parameter_set(tmp_path, tok):
     assert Guard((model, tok), calibrator=loaded).scorer.parameter_set == "last_n_blocks=2"
     with pytest.raises(InputError, match="fitted on gradients over parameters .last_n_blocks=2., not .all."):
         Guard((model, tok), calibrator=loaded, parameters="all")
+    # a reply that cannot be scored gets risk 1.0 (fail closed), not a parameter-set error
+    guarded = Guard((model, tok), calibrator=loaded, max_new_tokens=3)
+    blank = guarded.generate("Hi", suppress_tokens=list(range(5, len(tok))))
+    assert not blank.scores.valid and blank.scores.parameter_set == "last_n_blocks=2" and blank.risk == 1.0
     # an artifact from before the field existed was fitted on all parameters
     old = {k: v for k, v in loaded.to_dict().items() if k != "parameter_set"}
     assert Calibrator._from_artifact(Artifact.model_validate(old), path).parameter_set_ == "all"
@@ -246,6 +259,12 @@ def test_score_cache_keeps_one_record_per_parameter_set(tmp_path):
     assert again.get(item, "f").label == 1
     assert again.get(item, "f", "last_n_blocks=2").label == 0
     assert again.get(item, "f", "last_n_blocks=1") is None
+    # an item a last-2 run could not score is remembered for that run, not for "all"
+    from guarduq.calibration.evaluation import _record
+
+    failed = _record(SimpleNamespace(id="q2", dataset="d", kind="qa", prompt_hash="h", split="fit"),
+                     "f", InputError("too long"), 0.0, "last_n_blocks=2")
+    assert failed.scores is None and failed.key == ("q2", "h", "f", "last_n_blocks=2")
 
 
 def test_resolve_selection_precedence():
@@ -330,3 +349,51 @@ def test_calibrator_with_a_malformed_parameter_set_is_refused(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ArtifactError, match="malformed parameter set"):
         Calibrator.load(path)
+
+
+def test_block_overrides_restore_a_forward_already_there():
+    """A dispatch hook (accelerate's ``device_map``) sets ``forward`` on a block; standing blocks
+    aside or checkpointing them must put it back, also when scoring raises."""
+    from guarduq.scoring.memory import checkpoint_blocks
+
+    model = tiny_llama(layers=4).double()
+    blocks = reuse.decoder_blocks(model)
+    calls = []
+
+    def hooked(*args, _orig=blocks[1].forward, **kwargs):
+        calls.append(1)
+        return _orig(*args, **kwargs)
+
+    blocks[1].forward = hooked
+    ids = torch.randint(5, 200, (1, 30), generator=torch.Generator().manual_seed(8))
+    scorer = GradientScorer(model, last_n_blocks=2, checkpoint_tokens=0)
+    plain = GradientScorer(model, checkpoint_tokens=None).score(ids, 20)
+    assert calls
+    same_scores(GradientScorer(model, checkpoint_tokens=0).score(ids, 20), plain, rel=1e-12)
+    scorer.score(ids, 20, states=torch.zeros(1, 29, 32, dtype=torch.float64))
+    assert vars(blocks[1])["forward"] is hooked and "forward" not in vars(blocks[0])
+    with pytest.raises(RuntimeError), checkpoint_blocks(blocks, 0):
+        assert vars(blocks[1])["forward"] is not hooked
+        raise RuntimeError("scoring failed")
+    assert vars(blocks[1])["forward"] is hooked and "forward" not in vars(blocks[3])
+
+
+def test_the_scored_block_list_is_the_one_holding_the_scored_parameters():
+    """A model with two block lists (a multimodal model's vision encoder and language decoder):
+    the decoder, whose blocks hold the scored parameters, is the one stood aside."""
+
+    class TwoTowers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vision = torch.nn.Module()
+            self.vision.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(2)])
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(4)])
+
+    m = TwoTowers()
+    selected = [(n, p) for n, p in m.named_parameters() if n.startswith("model.layers.3.")]
+    assert reuse.decoder_blocks(m, selected) is m.model.layers
+    assert reuse.first_scored_block(m, selected, ["block.3.other"] * len(selected)) == 3
+    everything = list(m.named_parameters())
+    assert reuse.decoder_blocks(m, everything) is m.model.layers  # the larger list
+    assert reuse.first_scored_block(m, everything, ["x"] * len(everything)) is None

@@ -77,6 +77,7 @@ def with_policy(guard: Guard, policy: PolicyLike) -> Guard:
         LoadedModel(guard.model, guard.tokenizer, guard.info),
         parameters=guard.scorer.parameters if guard.scorer.parameter_set != "all" else "all",
         last_n_blocks=guard.scorer.last_n_blocks,
+        checkpoint_tokens=guard.scorer.checkpoint_tokens,
         max_new_tokens=guard.max_new_tokens,
         policy=policy,
         calibrator=guard.calibrator,
