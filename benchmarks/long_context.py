@@ -32,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from overhead import _vm  # noqa: E402  (a /proc/self/status field in bytes)
 
 DATA = Path(os.environ.get("GUARDUQ_DATA", ROOT.parent / "shared" / "data"))
 LENGTHS = (100, 1000, 4000, 8000)
@@ -46,13 +48,6 @@ SETS: dict[str, dict[str, Any]] = {
     "MLPs only": {"parameters": r"\.mlp\."},
 }
 COST_LENGTHS = (100, 1000, 4000)
-
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def documents() -> list[str]:

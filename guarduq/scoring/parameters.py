@@ -19,7 +19,9 @@ from torch import nn
 
 from guarduq.errors import InputError
 
-_BLOCK_INDEX = re.compile(r"\.(?:layers|h|blocks|block|layer)\.(\d+)\.")
+# What transformers calls a model's list of blocks (Llama/Gemma ``layers``, GPT-2 ``h``, ...).
+BLOCK_LIST_NAMES = "layers|h|blocks|block|layer"
+_BLOCK_INDEX = re.compile(rf"\.(?:{BLOCK_LIST_NAMES})\.(\d+)\.")
 
 ALL_PARAMETERS = "all"
 

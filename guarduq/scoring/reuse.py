@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-_BLOCK_LIST = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)$")
+from guarduq.scoring.parameters import BLOCK_LIST_NAMES
+
+_BLOCK_LIST = re.compile(rf"(?:^|\.)(?:{BLOCK_LIST_NAMES})$")
 # Outside the blocks, what may be scored without the lower blocks' own gradients.
 _ABOVE_BLOCKS = {"final_norm", "head"}
 
