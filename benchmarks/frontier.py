@@ -42,6 +42,7 @@ from guarduq.calibration.analysis import (  # noqa: E402
     leave_one_dataset_out,
     paired_bootstrap_diff,
     restrict_profile,
+    single_signals,
 )
 from guarduq.calibration.datasets import split_of  # noqa: E402
 from guarduq.calibration.features import FEATURE_SETS, feature_matrix  # noqa: E402
@@ -98,6 +99,10 @@ def analyse(model: str, records: list[Any], n_boot: int, cost: dict[str, dict[in
     ds_test = np.array([r.dataset for r in recs])[test]
     out: dict[str, Any] = {"model": model, "n": len(recs), "n_test": int(test.sum()), "n_blocks": n_blocks, "sets": {}}
     ref: dict[str, np.ndarray] = {}
+    # every single signal of the all-parameter pass, on the same test items as each risk
+    test_scores = [r.scores for r, t in zip(recs, test, strict=True) if t]
+    out["singles"] = {f: bootstrap_auroc(wrong_test, v, n_boot=n_boot)
+                      for f, v in single_signals(test_scores, FEATURES).items()}
     for name, (set_id, keep) in tqdm(sets.items(), desc=f"{model} sets", file=sys.stderr):
         scores = [restrict_profile(r.scores, keep, set_id) for r in recs]
 
@@ -172,6 +177,10 @@ def _page(res: dict[str, Any]) -> list[str]:
         + " | ".join(f"cost @ {t:,} tokens" for t in toks) + " |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(toks),
     ]
+    singles = sorted(res["singles"].items(), key=lambda kv: -(kv[1][0] or 0))
+    lines += ["", f"Every single signal of the all-parameter pass on the same {res['n_test']} test items "
+              "(each oriented by its prior direction; bootstrap 95% intervals): "
+              + "; ".join(f"{f} {_ci(v)}" for f, v in singles) + "."]
     dropped = {n: r["dropped_features"] for n, r in sets.items() if r.get("dropped_features")}
     for name, r in sets.items():
         if "error" in r:
