@@ -56,6 +56,11 @@ class PolicyError(GuardUQError, ValueError):
     """A policy file is invalid or cannot be applied."""
 
 
+class ReloadError(GuardUQError):
+    """A new policy/calibrator pair was refused (or could not be swapped in); the pair in force
+    stays. The message says what failed."""
+
+
 class EscalationError(GuardUQError):
     """An escalation sink failed to accept a case."""
 
@@ -75,3 +80,17 @@ class GuardUQAbstention(GuardUQError):
 class StorageError(GuardUQError, OSError):
     """A file guarduq must write (cache, audit log, artifact) cannot be written: a read-only
     folder, a full disk, a path that is a directory."""
+
+
+class StoreError(GuardUQError):
+    """The reply and review store cannot be opened, migrated or written: an unreachable database,
+    a schema written by a newer guarduq, a failed transaction."""
+
+
+class StoreInputError(StoreError, InputError):
+    """An argument the store refuses as given: a URL of another scheme, an unknown label, an
+    empty reviewer, an over-long note, a bad filter."""
+
+
+class UnknownItemError(StoreInputError, LookupError):
+    """No review item has that request id (a label for a reply that was not sampled)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -139,3 +140,36 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if os.environ.get("FUZZ_OUTCOMES"):  # how each boundary's inputs ended (ok / which error)
         for outcome, n in sorted(OUTCOMES.items()):
             terminalreporter.write_line(f"  {outcome:<60} {n:>8,}")
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+# One throwaway server per test session (tests/store, tests/review, serve), started by
+# tests/pg_server.py (shared with benchmarks/store_load.py). Skipped only where it cannot start.
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """``postgresql+psycopg://postgres@127.0.0.1:PORT/guarduq_test`` on a fresh server."""
+    from tests.pg_server import temporary_postgres, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with temporary_postgres("guarduq_test") as url:
+        yield url
+
+
+@pytest.fixture
+def pg_database_url(postgres_url: str) -> Iterator[str]:
+    """A fresh, empty database on the session's server for one test (dropped after it)."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    admin = postgres_url.replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0] + "/postgres"
+    with psycopg.connect(admin, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    yield postgres_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(admin, autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

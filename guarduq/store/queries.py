@@ -1,0 +1,160 @@
+"""The review queue's SQL: items joined to their reply and their current label, filtered.
+
+The current label of every item comes from one grouped subquery (``max(labels.id)`` and the
+label count per item) joined back to ``labels``, so a page of the queue is one query however
+many items it lists, never one query per item.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, and_, case, func, or_, select
+from sqlalchemy.sql import FromClause
+
+from guarduq.errors import StoreInputError
+from guarduq.store.convert import PREVIEW_READ
+from guarduq.store.records import LABELS, REASONS
+from guarduq.store.schema import ITEMS, LABEL_ROWS, REPLIES
+
+MAX_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What ``Store.queue``, ``count`` and ``next_unlabelled`` select (None: no condition)."""
+
+    reason: str | None = None  # one of REASONS: items picked (also) for this reason
+    action: str | None = None  # the policy's action on the reply (allow, abstain, escalate, ...)
+    risk_min: float | None = None  # risk >= risk_min (replies without a risk are left out)
+    risk_max: float | None = None  # risk <= risk_max
+    labelled: bool | None = None  # True: at least one label; False: none yet
+    label: str | None = None  # the current label is this one (one of LABELS)
+
+    def __post_init__(self) -> None:
+        if self.reason is not None and self.reason not in REASONS:
+            raise StoreInputError(f"unknown review reason {self.reason!r}; choose one of {list(REASONS)}")
+        if self.label is not None and self.label not in LABELS:
+            raise StoreInputError(f"unknown label {self.label!r}; choose one of {list(LABELS)}")
+        if self.labelled is not None and not isinstance(self.labelled, bool):
+            raise StoreInputError(f"labelled must be True, False or None, got {self.labelled!r}")
+        for name in ("risk_min", "risk_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v)):
+                raise StoreInputError(f"{name} must be a number, got {v!r}")
+
+
+def check_page(limit: int, offset: int) -> None:
+    for name, v in (("limit", limit), ("offset", offset)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise StoreInputError(f"{name} must be a non-negative integer, got {v!r}")
+    if limit > MAX_LIMIT:
+        raise StoreInputError(f"limit must be at most {MAX_LIMIT}, got {limit}")
+
+
+class Joined:
+    """review_items ⋈ replies ⟕ (label count, last label id per item) ⟕ the current label."""
+
+    def __init__(self) -> None:
+        self.agg = (
+            select(
+                LABEL_ROWS.c.request_id.label("request_id"),
+                func.max(LABEL_ROWS.c.id).label("last_id"),
+                func.count(LABEL_ROWS.c.id).label("n_labels"),
+            )
+            .group_by(LABEL_ROWS.c.request_id)
+            .subquery("agg")
+        )
+        self.cur = LABEL_ROWS.alias("cur")
+        self.source: FromClause = (
+            ITEMS.join(REPLIES, REPLIES.c.request_id == ITEMS.c.request_id)
+            .outerjoin(self.agg, self.agg.c.request_id == ITEMS.c.request_id)
+            .outerjoin(self.cur, self.cur.c.id == self.agg.c.last_id)
+        )
+
+    @property
+    def unlabelled(self) -> ColumnElement[bool]:
+        return self.agg.c.last_id.is_(None)
+
+    def where(self, f: Filters) -> list[ColumnElement[bool]]:
+        conds: list[ColumnElement[bool]] = []
+        if f.reason == "uniform":
+            conds.append(ITEMS.c.uniform.is_(True))
+        elif f.reason is not None:  # reason names are not substrings of one another
+            conds.append(ITEMS.c.reasons.like(f"%{f.reason}%"))
+        if f.action is not None:
+            conds.append(REPLIES.c.action == f.action)
+        if f.risk_min is not None:
+            conds.append(REPLIES.c.risk >= float(f.risk_min))
+        if f.risk_max is not None:
+            conds.append(REPLIES.c.risk <= float(f.risk_max))
+        if f.labelled is True:
+            conds.append(self.agg.c.last_id.is_not(None))
+        elif f.labelled is False:
+            conds.append(self.unlabelled)
+        if f.label is not None:
+            conds.append(self.cur.c.label == f.label)
+        return conds
+
+    def rows(self, f: Filters) -> Select[Any]:
+        """The queue's columns (no ordering, no paging)."""
+        return (
+            select(
+                ITEMS.c.request_id,
+                REPLIES.c.time,
+                REPLIES.c.risk,
+                REPLIES.c.action,
+                REPLIES.c.rule,
+                ITEMS.c.reasons,
+                ITEMS.c.inclusion_probability,
+                self.cur.c.label,
+                self.agg.c.n_labels,
+                func.substr(REPLIES.c.response, 1, PREVIEW_READ + 1).label("preview"),
+            )
+            .select_from(self.source)
+            .where(*self.where(f))
+        )
+
+    def count(self, f: Filters) -> Select[Any]:
+        return select(func.count()).select_from(self.source).where(*self.where(f))
+
+    def order(self, q: Select[Any], unlabelled_first: bool) -> Select[Any]:
+        keys: list[Any] = []
+        if unlabelled_first:
+            keys.append(case((self.unlabelled, 0), else_=1))
+        keys += [REPLIES.c.time.desc(), ITEMS.c.request_id.desc()]
+        return q.order_by(*keys)
+
+    @staticmethod
+    def before(time: Any, request_id: str) -> ColumnElement[bool]:
+        """Rows after (time, request_id) in newest-first order."""
+        return or_(
+            REPLIES.c.time < time,
+            and_(REPLIES.c.time == time, ITEMS.c.request_id < request_id),
+        )
+
+
+def progress_query(j: Joined) -> Select[Any]:
+    """Counts over all review items in one pass (see ``Store.progress``)."""
+    label = j.cur.c.label
+    decided = label.in_(("right", "wrong"))
+    uniform = ITEMS.c.uniform.is_(True)
+
+    def n(cond: ColumnElement[bool]) -> Any:
+        return func.coalesce(func.sum(case((cond, 1), else_=0)), 0)
+
+    return select(
+        func.count().label("items"),
+        n(j.unlabelled).label("unlabelled"),
+        n(decided).label("labelled"),
+        n(label == "right").label("right"),
+        n(label == "wrong").label("wrong"),
+        n(label == "unsure").label("unsure"),
+        n(and_(uniform, decided)).label("labelled_uniform"),
+        n(and_(uniform, label == "wrong")).label("wrong_uniform"),
+        n(ITEMS.c.reasons.like("%escalation%")).label("escalation"),
+        n(uniform).label("uniform"),
+        n(ITEMS.c.reasons.like("%band%")).label("band"),
+    ).select_from(j.source)
