@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from guarduq import batching, layout, streaming
 from guarduq._logging import get_logger
-from guarduq.calibration import Calibrator, feature_matrix
+from guarduq.calibration import Calibrator
+from guarduq.decider import Decider, Identity, binding_of, calibrated_signals, pair_attribute
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.models import (
@@ -39,6 +40,7 @@ from guarduq.policy.audit import AuditLog, make_record
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
 from guarduq.scoring.uncertainty import CHECKPOINT_TOKENS, GradientScorer, Scores, model_lock
+from guarduq.traffic import Traffic
 
 log = get_logger("guard")
 
@@ -61,6 +63,7 @@ class GuardedResponse:
     timings: dict[str, float] = field(default_factory=dict)
     risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
     decision: Decision | None = None  # what the policy decided, when the Guard has one
+    decided_by: Identity | None = None  # the policy/calibrator pair that decided it
 
     @property
     def shown_text(self) -> str:
@@ -82,6 +85,7 @@ class GuardedResponse:
             "scores": self.scores.to_dict(with_token_probs=False),
             "risk": self.risk,
             "decision": self.decision.to_dict() if self.decision is not None else None,
+            **(self.decided_by or Identity()).to_dict(),  # policy, policy_sha256, calibrator_sha256
             "timings": dict(self.timings),
         }
 
@@ -117,7 +121,9 @@ class Guard:
 
     Decisions (all optional): ``policy`` (a ``Policy`` or a YAML path) decides what the user sees;
     ``calibrator`` (a ``Calibrator`` or a JSON path; default: the one the policy names) turns
-    scores into ``risk``; ``audit`` (an ``AuditLog`` or a path) records every call;
+    scores into ``risk``; ``audit`` (an ``AuditLog`` or a path) records every call; ``store`` (a
+    ``guarduq.store.Store`` or a database URL) keeps every decided reply and the policy's review
+    sample (``guarduq.traffic``);
     ``second_opinion`` (e.g. an ``SVEnsemble``) serves ``second_opinion`` rules; ``sinks``
     replaces declared escalation sinks by name; ``allow_callables`` lists the exact import paths
     a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
@@ -131,6 +137,9 @@ class Guard:
     accumulated in float32/float64, and the fingerprint is that of the float32 weights.
     """
 
+    policy = pair_attribute("policy")  # the bound policy in force: decider.policy
+    calibrator = pair_attribute("calibrator")  # the calibrator in force: decider.calibrator
+
     def __init__(
         self,
         model: str | os.PathLike[str] | LoadedModel | tuple[nn.Module, Any] = DEFAULT_MODEL,
@@ -141,6 +150,7 @@ class Guard:
         policy: Policy | str | os.PathLike[str] | None = None,
         calibrator: Calibrator | str | os.PathLike[str] | None = None,
         audit: AuditLog | str | os.PathLike[str] | None = None,
+        store: Any | None = None,
         second_opinion: SecondOpinionProvider | None = None,
         sinks: dict[str, Any] | None = None,
         allow_callables: Collection[str] = (),
@@ -159,27 +169,23 @@ class Guard:
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
         self.max_new_tokens = max_new_tokens
-        self.policy = Policy.from_yaml(policy) if isinstance(policy, str | os.PathLike) else policy
-        if calibrator is None and self.policy is not None:
-            calibrator = self.policy.calibrator_path
-        if isinstance(calibrator, str | os.PathLike):
-            calibrator = Calibrator.load(calibrator, expected_fingerprint=self.info.fingerprint)
-        self.calibrator = calibrator
+        self.decider = Decider.load(  # read, checked against the model, bound
+            policy, calibrator, self.info, binding_of(second_opinion, allow_callables, sinks))
         self.scorer = GradientScorer(self.model, checkpoint_tokens=checkpoint_tokens, **resolve_selection(
-            parameters, last_n_blocks, calibrator.parameter_set_ if calibrator is not None else None,
+            parameters, last_n_blocks, self.calibrator.parameter_set_ if self.calibrator is not None else None,
             default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
         ))
-        if self.policy is not None:
-            known_as = {self.info.name}
-            if calibrator is not None and calibrator.model_fingerprint == self.info.fingerprint:
-                known_as.add(calibrator.model_name)
-            self.policy.check_model(known_as, self.info.fingerprint)
-            self.policy = self.policy.bind(
-                second_opinion=second_opinion, allow_callables=allow_callables, sinks=sinks,
-                calibrator=calibrator,
-            )
         self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
+        self.traffic = Traffic.open(store, self.policy) if store is not None else None
         self.raise_on_abstain = raise_on_abstain
+
+    def reload(self, policy: Policy | str | os.PathLike[str] | None = None,
+               calibrator: Calibrator | str | os.PathLike[str] | None = None) -> Identity:
+        """Swap in a new policy/calibrator pair (None: re-read this pair's files), checked as at
+        construction and against the scorer's parameter set; if anything fails, nothing changes."""
+        self.decider = self.decider.reloaded(self.info, policy=policy, calibrator=calibrator,
+                                             parameter_set=self.scorer.parameter_set)
+        return self.decider.identity
 
     # ----------------------------------------------------------------- the request flow
 
@@ -295,7 +301,7 @@ class Guard:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
         rounding; see ``guarduq.scoring.batched``), fewer where long pairs would exceed
         ``batching.MAX_BATCH_TOKENS`` padded tokens. ``ended``: one flag for all, or one per pair."""
-        pairs = _as_pairs(pairs)
+        pairs = layout.as_pairs(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):
             raise InputError(f"ended has {len(flags)} flags for {len(pairs)} pairs")
@@ -387,7 +393,7 @@ class Guard:
             GuardedResponse(text=text, scores=s, ended=ended, prompt=p, model=self.info, timings=dict(timings))
             for p, (text, ended), s in zip(prompts, replies, scores, strict=True)
         ]
-        if self.policy is None and self.calibrator is None and self.audit is None:
+        if self.policy is None and self.calibrator is None and self.audit is None and self.traffic is None:
             return responses
         decided, abstention = [], None
         for r in responses:
@@ -437,35 +443,44 @@ class Guard:
     def _decide(self, r: GuardedResponse) -> GuardedResponse:
         """calibrate -> decide -> audit; the audit line is on disk before the answer returns."""
         t0 = time.perf_counter()
-        calibrated = calibrate(self.calibrator, r.scores, self._costly_features(r))
+        pair = self.decider  # read once: a reload never pairs an old policy with a new calibrator
+        policy, calibrator = pair.policy, pair.calibrator
+        calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator))
         decision = None
-        if self.policy is not None and not r.scores.valid:
-            decision = self.policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
-        elif self.policy is not None:
-            decision = self.policy.decide(
+        if policy is not None and not r.scores.valid:
+            decision = policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
+        elif policy is not None:
+            decision = policy.decide(
                 make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint, ended=r.ended,
             )
         timings = {**r.timings, "decide_s": time.perf_counter() - t0}
-        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings)
+        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings, decided_by=pair.identity)
         if self.audit is not None:
             self.audit.append(make_record(
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint,
-                policy=self.policy.identity() if self.policy else None,
-                calibrator_sha256=self.calibrator.sha256 if self.calibrator else None,
+                policy=policy.identity() if policy else None,
+                calibrator_sha256=calibrator.sha256 if calibrator else None,
                 scores=r.scores.to_dict(with_token_probs=False), risk=r.risk,
                 decision=decision.to_dict() if decision else None,
                 latency_s=sum(timings.values()), prompt=r.prompt, response=r.text,
-                log_text=bool(self.policy and self.policy.log_text),
+                log_text=bool(policy and policy.log_text),
             ))
+        if self.traffic is not None:
+            self.traffic.record(r, policy=policy, calibrator_sha256=calibrator.sha256 if calibrator
+                                else None, tokens=lambda: self._token_pieces(r))
         if decision is not None and self.raise_on_abstain and not decision.shown:
             raise GuardUQAbstention(decision.text, decision)
         return r
 
-    def _costly_features(self, r: GuardedResponse) -> dict[str, float]:
+    def _token_pieces(self, r: GuardedResponse) -> list[str]:
+        """The reply's tokens as text pieces, aligned with ``scores.token_probs``."""
+        return layout.token_pieces(self.tokenizer, layout.response_ids(self.tokenizer, r.text, ended=r.ended))
+
+    def _costly_features(self, r: GuardedResponse, calibrator: Calibrator | None) -> dict[str, float]:
         """P(True) (one extra forward) when the calibrator was fitted with it; a prompt that is
         not a plain question string leaves it out, and the risk then fails closed (1.0)."""
-        if self.calibrator is None or "p_true" not in self.calibrator.features:
+        if calibrator is None or "p_true" not in calibrator.features:
             return {}
         if not isinstance(r.prompt, str) or not r.scores.valid or not r.text.strip():
             log.warning("p_true_unavailable", reason="needs a string prompt and a valid answer")
@@ -542,18 +557,6 @@ class Guard:
         return text, ended
 
 
-def _as_pairs(pairs: Any) -> list[tuple[Any, Any]]:
-    """``(prompt, response)`` pairs from any iterable; anything else is an ``InputError``."""
-    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, Iterable):
-        raise InputError(f"pairs must be an iterable of (prompt, response), got {type(pairs).__name__}")
-    out = []
-    for i, pair in enumerate(pairs):
-        if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
-            raise InputError(f"pair {i} must be a (prompt, response) pair, got {type(pair).__name__}")
-        out.append((pair[0], pair[1]))
-    return out
-
-
 def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
@@ -581,30 +584,6 @@ def _one_reply_within_context(gen: dict[str, Any], n_prompt: int, context: int |
     if context is not None and n_prompt + n > context:
         gen = {**gen, "max_new_tokens": max(1, context - n_prompt)}
     return gen
-
-
-def calibrate(
-    calibrator: Calibrator | None, scores: Scores, extra: dict[str, float] | None = None
-) -> dict[str, float]:
-    """``risk`` and the z-scores (``epistemic_z``, ``aleatoric_z``) the calibrator can give.
-
-    ``extra``: opt-in features computed outside the scoring pass (e.g. ``p_true``).
-
-    The z-scores use the calibrator's own standardisation (its scaler was fitted on this model's
-    calibration data), so 1.0 means one standard deviation above this model's usual value.
-    """
-    if calibrator is None:
-        return {}
-    if extra:
-        scores = {**scores.to_dict(with_token_probs=False), **extra}  # type: ignore[assignment]
-    out = {"risk": calibrator.risk(scores)}
-    x, ok = feature_matrix([scores], calibrator.features)
-    scaler = calibrator.pipeline_.named_steps["scale"]
-    z = (x[0] - scaler.mean_) / scaler.scale_
-    for feature, signal in (("log_epistemic", "epistemic_z"), ("aleatoric", "aleatoric_z")):
-        if feature in calibrator.features:
-            out[signal] = float(z[calibrator.features.index(feature)]) if ok[0] else math.nan
-    return out
 
 
 def _as_loaded(model: Any) -> LoadedModel:

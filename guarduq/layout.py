@@ -12,7 +12,7 @@ so ``guard.score(prompt, r.text)`` reproduces ``r = guard.generate(prompt)`` exa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +172,35 @@ def encode(tokenizer: Any, model: Any, prompt: PromptLike, response: str, *, end
     r = response_ids(tokenizer, response, ended=ended)
     check_fits(model, len(p) + len(r))
     return Encoded(input_ids=torch.tensor([p + r], dtype=torch.long), response_start=len(p))
+
+
+def as_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    """``(prompt, response)`` pairs from any iterable; anything else is an ``InputError``."""
+    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, Iterable):
+        raise InputError(f"pairs must be an iterable of (prompt, response), got {type(pairs).__name__}")
+    out = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InputError(f"pair {i} must be a (prompt, response) pair, got {type(pair).__name__}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text each token adds, so that the pieces join to ``decode(ids)`` exactly.
+
+    Decoding tokens one by one does not give that: a byte-level tokenizer splits a character
+    across tokens (each decoded alone is a replacement character) and some tokenizers add
+    spaces between separately decoded tokens. So each piece is the growth of the decoded prefix;
+    a token that ends inside a character adds nothing until the character is complete.
+    """
+    pieces: list[str] = []
+    done = ""
+    for i in range(1, len(ids) + 1):
+        text = tokenizer.decode(list(ids[:i]), clean_up_tokenization_spaces=False)
+        if text.endswith("\ufffd") and i < len(ids):
+            pieces.append("")
+            continue
+        pieces.append(text[len(done):] if text.startswith(done) else text)
+        done = text
+    return pieces

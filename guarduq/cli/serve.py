@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from guarduq._http import is_loopback
 from guarduq.cli._help import with_example
 from guarduq.cli._run import parameter_kwargs, parameter_set_arg
 from guarduq.errors import GuardUQError, InputError
@@ -25,10 +25,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
     p.add_argument("--audit", type=Path, help="append one JSON line per request to this file")
+    p.add_argument("--store", metavar="URL",
+                   help="keep every decided reply, and the policy's review sample, in this database "
+                        "(sqlite:///guarduq.db, postgresql://...; replicas may share one PostgreSQL)")
+    p.add_argument("--review", action="store_true",
+                   help="serve the reviewers' page under /review (needs --store; same keys as the API)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key(s), comma-separated")
+    p.add_argument("--admin-key-env", metavar="VAR",
+                   help="environment variable holding the admin key(s) for POST /admin/reload "
+                        "(separate from the API keys; without it /admin/* answers 403)")
+    p.add_argument("--watch", action="store_true",
+                   help="reload the policy and calibrator when their files change (SIGHUP always does)")
+    p.add_argument("--watch-interval", type=float, default=2.0, metavar="S",
+                   help="seconds between --watch polls of the files' mtime and size")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="bind a non-loopback host without an API key (not recommended)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
@@ -64,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def check_bind(host: str, *, has_key: bool, allow_unauthenticated_remote: bool) -> None:
     """Refuse to expose an unauthenticated server beyond this machine unless told to."""
-    if has_key or allow_unauthenticated_remote or _is_loopback(host):
+    if has_key or allow_unauthenticated_remote or is_loopback(host):
         return
     raise InputError(
         f"refusing to listen on {host!r} without an API key: use --api-key-env VAR, bind 127.0.0.1, "
@@ -72,19 +84,10 @@ def check_bind(host: str, *, has_key: bool, allow_unauthenticated_remote: bool) 
     )
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def api_keys_from_env(var: str | None) -> tuple[str, ...]:
+def api_keys_from_env(var: str | None, flag: str = "--api-key-env") -> tuple[str, ...]:
     if var is None:
         return ()
-    bad = InputError(f"--api-key-env {var!r}: not a valid environment variable name")
+    bad = InputError(f"{flag} {var!r}: not a valid environment variable name")
     if not var or "=" in var or "\0" in var:
         raise bad
     try:
@@ -92,17 +95,20 @@ def api_keys_from_env(var: str | None) -> tuple[str, ...]:
     except UnicodeError as exc:  # a lone surrogate: no environment can hold that name
         raise bad from exc
     if raw is None:
-        raise InputError(f"--api-key-env {var}: the environment variable {var} is not set")
+        raise InputError(f"{flag} {var}: the environment variable {var} is not set")
     keys = tuple(k.strip() for k in raw.split(",") if k.strip())
     if not keys:
-        raise InputError(f"--api-key-env {var}: the variable holds no key")
+        raise InputError(f"{flag} {var}: the variable holds no key")
     if any(len(k) < 16 for k in keys):
-        raise InputError(f"--api-key-env {var}: keys must be at least 16 characters")
+        raise InputError(f"{flag} {var}: keys must be at least 16 characters")
     return keys
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     keys = api_keys_from_env(args.api_key_env)
+    admin_keys = api_keys_from_env(args.admin_key_env, "--admin-key-env")
+    if not args.watch_interval > 0:
+        raise InputError(f"--watch-interval must be > 0 seconds, got {args.watch_interval}")
     check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
     try:
         import uvicorn
@@ -113,12 +119,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from guarduq.calibration.drift import load_reference
     from guarduq.guard import Guard
 
+    if args.review and not args.store:
+        raise InputError("--review serves the page over a store: give --store URL too")
+    store = None
+    if args.store:
+        from guarduq.store import Store
+
+        store = Store(args.store)  # a bad URL or an unreachable database fails before the model loads
     guard = Guard(args.model, policy=args.policy, calibrator=args.calibrator, audit=args.audit,
-                  **parameter_kwargs(args.parameter_set))
+                  store=store, **parameter_kwargs(args.parameter_set))
     features = guard.calibrator.features if guard.calibrator is not None else ()
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),
-        api_keys=keys, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        api_keys=keys, admin_keys=admin_keys, reload_on_sighup=True,
+        watch_s=args.watch_interval if args.watch else None,
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens, batching=args.batching == "on",
@@ -126,15 +141,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         drift_reference=load_reference(args.reference, features) if args.reference else None,
     )
     app = create_app(guard, settings=settings)
+    if args.review:
+        from guarduq.review import ReviewPageSettings, mount_review
+
+        mount_review(app, store, ReviewPageSettings(api_keys=keys, allow_unauthenticated_remote=args.allow_unauthenticated_remote),
+                     alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None)
     print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
           f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
-          f"auth={'on' if keys else 'off'}", file=sys.stderr, flush=True)
+          f"auth={'on' if keys else 'off'}  reload=SIGHUP{', --watch' if args.watch else ''}"
+          f"{', POST /admin/reload' if admin_keys else ''}"
+          f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}",
+          file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
 
 def _cmd_drift(args: argparse.Namespace) -> int:
     from guarduq.calibration.drift import compare, load_reference, read_score_records
+    from guarduq.calibration.drift_groups import CaseClassifier
 
     if (args.calibrator is None) == (args.reference is None):
         raise InputError("give exactly one of --calibrator C.json or --reference scores.jsonl")
@@ -147,14 +171,26 @@ def _cmd_drift(args: argparse.Namespace) -> int:
     if not records:
         raise InputError(f"{args.audit} holds no scored requests")
     rows = compare(ref, records)
+    # The scaled statistic hardly depends on the window's size, so thresholds set on windows of at
+    # most 1,000 serve a longer log too (and keep the bootstrap to about a second).
+    case = (CaseClassifier(ref.grouped, window=min(len(records), 1000)).classify_records(records)
+            if ref.grouped else None)
     if args.json:
         print(json.dumps({"reference": ref.source, "n_live": len(records), "skipped_lines": skipped,
-                          "features": [r.to_dict() for r in rows]}))
+                          "features": [r.to_dict() for r in rows],
+                          "case": case.label if case else None,
+                          "nearest_group": case.nearest if case else None,
+                          "cases": case.to_dict() if case else None}))
     else:
         print(f"reference: {ref.source}\nlive: {args.audit} ({len(records)} scored, {skipped} skipped)")
         print(f"{'feature':<16} {'n':>6} {'PSI':>8} {'KS':>6}  level   (PSI: <0.1 ok, <0.25 watch, else alarm)")
         for r in rows:
             print(f"{r.feature:<16} {r.n:>6} {r.psi:>8.3f} {r.ks:>6.3f}  {r.level}")
+        if case is not None:
+            print(f"case: {case.label}  (mix distance {case.mix_distance:.2f}, threshold {case.mix_threshold:.2f}; "
+                  f"nearest calibration group: {case.nearest})")
+            print("  ok: like the calibration mix; slice:G: like one group G it was fitted on; "
+                  "unseen: like none of them (its risk is untested here)")
     if args.out:
         _plot(ref, records, rows, args.out)
         print(f"wrote {args.out}", file=sys.stderr)

@@ -254,6 +254,31 @@ class AuditSettings(_Strict):
     log_text: bool = Field(False, description="store prompt/response text, not just hashes")
 
 
+class RiskBand(_Strict):
+    """Sample more replies whose risk lies in [low, high] (e.g. the borderline band)."""
+
+    low: float = Field(ge=0, le=1)
+    high: float = Field(ge=0, le=1)
+    rate: float = Field(gt=0, le=1, description="probability that a reply in the band is sampled")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RiskBand:
+        if self.low > self.high:
+            raise ValueError(f"band low {self.low} is above high {self.high}")
+        return self
+
+
+class ReviewSettings(_Strict):
+    """Which replies go to human review (``guarduq serve --store``): every escalation, a uniform
+    random sample at ``rate``, and optionally more from risk ``bands``. Only sampled replies keep
+    their text, and only with ``keep_text: true`` (the opt-in)."""
+
+    keep_text: bool = Field(False, description="keep prompt and reply text of sampled replies")
+    rate: float = Field(0.0, ge=0, le=1, description="uniform sampling rate over all replies")
+    escalations: bool = Field(True, description="sample every escalated reply")
+    bands: list[RiskBand] = Field(default_factory=list)
+
+
 class PolicyConfig(_Strict):
     """The whole policy file."""
 
@@ -266,6 +291,7 @@ class PolicyConfig(_Strict):
     mode: Literal["enforce", "shadow"] = "enforce"
     on_error: OnError = OnError()
     audit: AuditSettings = AuditSettings()
+    review: ReviewSettings = ReviewSettings()
     sinks: dict[str, SinkConfig] = Field(default_factory=dict)
     rules: list[Rule] = Field(min_length=1)
 

@@ -4,7 +4,8 @@
 (``guarduq serve``) runs it under uvicorn. Every error is a JSON body
 ``{"error": {"message", "type", "param", "code"}}``; bad input is a 4xx, never a 500.
 Prompts and replies reach no log line and no metric label; the audit log stores them only when
-the policy says ``audit: {log_text: true}``.
+the policy says ``audit: {log_text: true}``. ``POST /admin/reload`` (and SIGHUP, ``--watch``: see
+``serve/reload.py``) swaps the policy and calibrator between requests.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hmac
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,14 +27,18 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guarduq import layout
+from guarduq._http import read_limited
 from guarduq._logging import get_logger
+from guarduq.calibration import Calibrator
 from guarduq.calibration.drift import DriftMonitor, Reference
-from guarduq.errors import GuardUQError, InputError
+from guarduq.decider import Decider
+from guarduq.errors import GuardUQError, InputError, ReloadError
 from guarduq.guard import Guard, GuardedResponse
 from guarduq.policy.audit import json_line
 from guarduq.serve import tracing
 from guarduq.serve.engine import Cancelled, Engine, Job, QueueFull
 from guarduq.serve.metrics import ServerMetrics
+from guarduq.serve.reload import Reloader, install_sighup
 from guarduq.serve.schema import (
     ApiError,
     ChatRequest,
@@ -55,6 +60,9 @@ class Settings:
 
     model_ids: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # /admin/*; none: those answer 403
+    reload_on_sighup: bool = False  # installed only where the loop runs on the main thread
+    watch_s: float | None = None  # poll the policy/calibrator files this often; reload on change
     max_queue: int = 64
     retry_after_s: int = 1
     max_body_bytes: int = 1_000_000
@@ -89,14 +97,15 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     model_ids = s.model_ids or (guard.info.name,)
     metrics = ServerMetrics()
     tracer = tracing.make_tracer()
-    drift = _drift_monitor(guard, s)
+    live = _Live(_drift_monitor(guard.calibrator, s))  # the worker swaps it with the calibrator
 
     def on_done(job: Job, r: GuardedResponse) -> None:
         metrics.observe_response(job.kind if job.kind == "score" else "chat", r)
         tracing.record(tracer, job.kind, job.started_ns, r)
+        drift = live.drift
         if drift is not None and r.scores.valid:
             drift.observe(r.scores.to_dict(with_token_probs=False))
-            metrics.observe_drift(drift.snapshot())
+            metrics.observe_drift(drift.snapshot(), drift.case())
 
     def on_start(jobs: list[Job]) -> None:
         metrics.batch_size.observe(len(jobs))
@@ -107,16 +116,40 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     engine = Engine(guard, max_queue=s.max_queue, batching=s.batching, max_batch=s.max_batch,
                     batch_wait_s=s.batch_wait_s, on_done=on_done, on_depth=metrics.queue_depth.set,
                     on_start=on_start)
+
+    def new_drift(old: Decider, new: Decider) -> Callable[[], None] | None:
+        """A new calibrator brings its own drift reference (unless --reference was given)."""
+        if s.drift_reference is not None or old.identity.calibrator_sha256 == new.identity.calibrator_sha256:
+            return None
+        monitor = _drift_monitor(new.calibrator, s)
+
+        def apply() -> None:
+            live.drift = app.state.drift = monitor
+            if monitor is not None:
+                metrics.observe_drift(monitor.snapshot(), monitor.case())
+        return apply
+
+    reloader = Reloader(guard, engine, metrics, prepare=new_drift)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        engine.close()
+        on = reloader.available
+        remove = install_sighup(reloader) if on and s.reload_on_sighup else None
+        watcher = asyncio.ensure_future(reloader.watch(s.watch_s)) if on and s.watch_s else None
+        try:
+            yield
+        finally:
+            if remove is not None:
+                remove()
+            if watcher is not None:
+                watcher.cancel()
+            engine.close()
 
     app = FastAPI(title="guarduq", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.guard, app.state.engine, app.state.metrics, app.state.drift = guard, engine, metrics, drift
-    app.state.settings = s
-    if drift is not None:
-        metrics.observe_drift(drift.snapshot())
+    app.state.guard, app.state.engine, app.state.metrics, app.state.drift = guard, engine, metrics, live.drift
+    app.state.settings, app.state.reloader = s, reloader
+    if live.drift is not None:
+        metrics.observe_drift(live.drift.snapshot(), live.drift.case())
 
     # -- errors: one body shape for all of them
 
@@ -142,17 +175,19 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     app.add_middleware(_Count, metrics=metrics)
 
     def authorize(request: Request) -> None:
-        if not s.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
-        for key in s.api_keys:  # every key is compared, in constant time each
-            ok |= hmac.compare_digest(given, key.encode())
-        if not ok:
+        if s.api_keys and not _bearer_ok(request, s.api_keys):
             metrics.rejected.labels("auth").inc()
             raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           type="invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def authorize_admin(request: Request) -> None:
+        if not s.admin_keys:
+            raise ApiError(403, "admin endpoints are disabled (no --admin-key-env)", type="permission_error",
+                           code="admin_disabled")
+        if not _bearer_ok(request, s.admin_keys):
+            metrics.rejected.labels("admin_auth").inc()
+            raise ApiError(401, "missing or invalid admin key (Authorization: Bearer <admin key>)",
                            type="invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
@@ -165,8 +200,24 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> _Json:
         ready = engine.alive
+        case = live.drift.case() if live.drift is not None else None
         return _Json({"status": "ready" if ready else "not ready", "model": model_ids[0],
-                      "queue_depth": engine.depth()}, status_code=200 if ready else 503)
+                      "queue_depth": engine.depth(), **_pair(guard).identity.to_dict(),
+                      "drift_case": case.label if case is not None else None},
+                     status_code=200 if ready else 503)
+
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request) -> _Json:
+        """Re-read the policy and calibrator files the server started with (the body is ignored:
+        no path comes from the network) and swap them in between requests."""
+        authorize_admin(request)
+        if not reloader.available:
+            raise ApiError(501, "this Guard cannot reload", type="server_error", code="reload_unsupported")
+        try:
+            result = await reloader.areload("http")
+        except ReloadError as exc:
+            raise ApiError(422, str(exc), code="reload_failed") from None
+        return _Json(result.to_dict())
 
     @app.get("/metrics")
     async def metrics_text(request: Request) -> Response:
@@ -177,13 +228,11 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> _Json:
         authorize(request)
-        p = guard.policy
+        pair = _pair(guard)
         return _Json({"object": "list", "data": [{
             "id": model_ids[0], "object": "model", "created": now(), "owned_by": "guarduq",
-            "guarduq": {"model_fingerprint": guard.info.fingerprint,
-                        "policy": f"{p.name}@{p.version}" if p is not None else None,
-                        "policy_mode": p.config.mode if p is not None else None,
-                        "calibrator_sha256": guard.calibrator.sha256 if guard.calibrator else None},
+            "guarduq": {"model_fingerprint": guard.info.fingerprint, **pair.identity.to_dict(),
+                        "policy_mode": pair.policy.config.mode if pair.policy is not None else None},
         }]})
 
     @app.post("/v1/chat/completions")
@@ -233,6 +282,29 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
 # --------------------------------------------------------------------------- request handling
 
 
+@dataclass
+class _Live:
+    """What a reload swaps besides the Guard's pair (on the worker thread, with it)."""
+
+    drift: DriftMonitor | None
+
+
+def _pair(guard: Any) -> Decider:
+    """The Guard's policy/calibrator pair in force (a stand-in Guard: built from its attributes)."""
+    pair = getattr(guard, "decider", None)
+    return pair if isinstance(pair, Decider) else Decider(guard.policy, guard.calibrator)
+
+
+def _bearer_ok(request: Request, keys: tuple[str, ...]) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    ok = False
+    for key in keys:  # every key is compared, in constant time each
+        ok |= hmac.compare_digest(given, key.encode())
+    return ok
+
+
 class _Count:
     """Requests by route and status, and their latency (plain ASGI: streaming stays intact)."""
 
@@ -261,16 +333,7 @@ class _Count:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_limited(request, limit, lambda msg: ApiError(413, msg, code="body_too_large"))
 
 
 def _parse(model: Any, body: bytes) -> Any:
@@ -439,8 +502,7 @@ async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any]
     """SSE chunks. Enforce mode holds the text back until the policy decided (a withheld answer
     never reaches the client); shadow mode or no policy streams it live."""
     cid, created = completion_id(), now()
-    policy = guard.policy
-    live = policy is None or policy.shadow
+    live: bool | None = None  # known once the worker started the job (its pair decides the reply)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -454,6 +516,9 @@ async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any]
         while True:
             item = await items.get()
             if isinstance(item, str):
+                if live is None:
+                    policy = (job.decider if isinstance(job.decider, Decider) else _pair(guard)).policy
+                    live = policy is None or policy.shadow
                 if live:
                     yield chunk({"content": item})
                 continue
@@ -480,14 +545,14 @@ async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any]
             metrics.cancelled.inc()
 
 
-def _drift_monitor(guard: Guard, s: Settings) -> DriftMonitor | None:
+def _drift_monitor(calibrator: Calibrator | None, s: Settings) -> DriftMonitor | None:
     from guarduq.calibration.drift import reference_from_artifact
     from guarduq.errors import CalibrationError
 
     ref = s.drift_reference
-    if ref is None and guard.calibrator is not None:
+    if ref is None and calibrator is not None:
         try:
-            ref = reference_from_artifact(guard.calibrator.to_dict(), "calibrator")
+            ref = reference_from_artifact(calibrator.to_dict(), "calibrator")
         except CalibrationError as exc:
             log.warning("drift_disabled", reason=str(exc))
     if ref is None:

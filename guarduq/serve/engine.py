@@ -9,6 +9,9 @@ batching is on, the worker takes the queued non-streaming generate jobs whose ge
 settings are identical (no ``seed``, no ``stop``) together, up to ``max_batch``, after waiting
 ``batch_wait_s`` for more to arrive. Streaming, seeded, stop-string and score jobs run alone.
 
+Between jobs: ``call_between(fn)`` runs ``fn`` on the worker before it takes its next job or
+batch, so the one running finishes as it started; a reload swaps the policy/calibrator pair so.
+
 Cancellation: a job whose client went away is skipped if still queued; a running one stops
 at the next generated token (non-streaming: a stopping criterion that raises; streaming: the
 ``Guard.stream`` generator is closed) and is neither scored nor audited.
@@ -57,6 +60,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.perf_counter)
     started_ns: int = 0
+    decider: Any = None  # the Guard's policy/calibrator pair when the worker started the job
 
     def batch_key(self) -> tuple[Any, ...] | None:
         """Jobs with equal keys can share one ``generate_batch`` call; None: run alone."""
@@ -99,6 +103,7 @@ class Engine:
         self.batch_wait_s = batch_wait_s
         self._on_done, self._on_depth, self._on_start = on_done, on_depth, on_start
         self._queue: deque[Job] = deque()
+        self._between: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="guarduq-engine", daemon=True)
@@ -124,12 +129,27 @@ class Engine:
         self._depth(depth)
         return job
 
+    def call_between(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the worker thread before it takes its next job or batch (the one running
+        now finishes first); the future holds its result or its exception."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or not self._thread.is_alive():
+                fut.set_exception(RuntimeError("the server's worker has stopped"))
+                return fut
+            self._between.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
     def close(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stopping = True
             for job in self._queue:
                 job.cancel()
             self._queue.clear()
+            for _, fut in self._between:
+                fut.set_exception(RuntimeError("the server is shutting down"))
+            self._between.clear()
             self._cv.notify_all()
         self._thread.join(timeout)
 
@@ -141,10 +161,12 @@ class Engine:
 
     def _take(self) -> list[Job] | None:
         with self._cv:
-            while not self._queue and not self._stopping:
+            while not self._queue and not self._between and not self._stopping:
                 self._cv.wait()
             if self._stopping:
                 return None
+            if self._between:  # _loop runs them before the next job
+                return []
             job = self._queue.popleft()
             key = job.batch_key() if self.batching else None
             batch = [job]
@@ -166,14 +188,28 @@ class Engine:
             self._queue.remove(j)
         return out
 
+    def _run_between(self) -> None:
+        with self._cv:
+            calls, self._between = list(self._between), deque()
+        for fn, fut in calls:
+            if not fut.set_running_or_notify_cancel():  # the caller gave up: do not run it
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller; the worker goes on
+                fut.set_exception(exc)
+
     def _loop(self) -> None:
-        while (batch := self._take()) is not None:
+        while True:
+            self._run_between()
+            if (batch := self._take()) is None:
+                break
             batch = [j for j in batch if not j.cancelled.is_set() and j.future.set_running_or_notify_cancel()]
             if not batch:
                 continue
-            now_ns = time.time_ns()
+            now_ns, decider = time.time_ns(), getattr(self.guard, "decider", None)
             for j in batch:
-                j.started_ns = now_ns
+                j.started_ns, j.decider = now_ns, decider
             if self._on_start is not None:
                 self._on_start(batch)
             try:

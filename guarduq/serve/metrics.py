@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from guarduq.calibration.drift import LEVELS, FeatureDrift
+from guarduq.calibration.drift_groups import CASES, Case
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
 LOG_EPISTEMIC_BUCKETS = tuple(float(x) for x in range(-6, 13))
@@ -41,6 +42,10 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.cancelled = Counter("guarduq_cancelled", "generations cancelled by a client disconnect",
                                  registry=r)
+        self.reloads = Counter("guarduq_reloads", "policy/calibrator reloads by outcome (ok, failed)",
+                               ["outcome"], registry=r)
+        for outcome in ("ok", "failed"):
+            self.reloads.labels(outcome)
         self.log_epistemic = Histogram("guarduq_score_log_epistemic", "ln(epistemic) of scored replies",
                                        buckets=LOG_EPISTEMIC_BUCKETS, registry=r)
         self.aleatoric = Histogram("guarduq_score_aleatoric", "aleatoric score of scored replies",
@@ -56,6 +61,11 @@ class ServerMetrics:
                                  ["feature"], registry=r)
         self.drift_window = Gauge("guarduq_drift_window", "live values in the drift window",
                                   ["feature"], registry=r)
+        self.drift_case = Gauge("guarduq_drift_case", "1 for the drift window's case (ok, slice, unseen)",
+                                ["case"], registry=r)
+        self.drift_group_ratio = Gauge("guarduq_drift_group_ratio",
+                                       "window distance / threshold per calibration group (<= 1: close)",
+                                       ["group"], registry=r)
 
     def observe_response(self, endpoint: str, r: Any) -> None:
         """Timings, scores and decision of one GuardedResponse."""
@@ -77,12 +87,19 @@ class ServerMetrics:
             d.action, d.rule or "none", str(bool(d.shadow)).lower())
         self.decisions.labels(endpoint, action, rule, shadow).inc()
 
-    def observe_drift(self, state: list[FeatureDrift]) -> None:
+    def observe_drift(self, state: list[FeatureDrift], case: Case | None = None) -> None:
         for d in state:
             self.drift_psi.labels(d.feature).set(d.psi)
             self.drift_ks.labels(d.feature).set(d.ks)
             self.drift_level.labels(d.feature).set(LEVELS.index(d.level))
             self.drift_window.labels(d.feature).set(d.n)
+        if case is not None:
+            for c in CASES:
+                self.drift_case.labels(c).set(1.0 if c == case.case else 0.0)
+            thresholds = case.group_thresholds
+            for g, dist in case.group_distances.items():
+                if g in thresholds:
+                    self.drift_group_ratio.labels(g).set(dist / thresholds[g])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

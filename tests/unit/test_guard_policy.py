@@ -13,8 +13,8 @@ import pytest
 
 from guarduq import Guard
 from guarduq.calibration import Calibrator
+from guarduq.decider import calibrated_signals as calibrate
 from guarduq.errors import FingerprintMismatchError, GuardUQAbstention, PolicyError, ScoringError
-from guarduq.guard import calibrate
 from guarduq.policy.audit import AuditLog
 
 PROMPT, RESPONSE = "Name a colour.", "Blue"

@@ -7,7 +7,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "guarduq"
 LOWER = {"models", "layout", "scoring", "sve", "calibration", "errors", "_logging", "_version"}
-UPPER = {"policy", "guard", "cli", "integrations", "serve", "__main__"}
+UPPER = {"policy", "store", "decider", "traffic", "guard", "cli", "integrations", "serve", "review", "__main__"}
+# The decisions layer: policy and store sit side by side, below what orchestrates and what faces.
+ABOVE_DECISIONS = {"decider", "traffic", "guard", "cli", "integrations", "serve", "review", "__main__"}
 HEAVY = {"torch", "numpy", "transformers", "sklearn", "scipy", "safetensors"}
 
 
@@ -64,3 +66,16 @@ def test_policy_reaches_no_torch_or_numpy() -> None:
         reached = reach(m, {m})
         heavy = {i for r in reached for i in imports[r] if i.split(".")[0] in HEAVY}
         assert not heavy, f"{m} reaches {sorted(heavy)} through {sorted(reached)}"
+
+
+def test_decision_layers_import_no_orchestration_or_faces() -> None:
+    imports = _imports()
+    assert {"guarduq.store.database", "guarduq.store.sampling"} <= set(imports)
+    bad = [
+        f"{m} -> {i}"
+        for m, found in imports.items()
+        if _layer(m) in {"policy", "store"}
+        for i in found
+        if i.startswith("guarduq") and (_layer(i) in ABOVE_DECISIONS or i == "guarduq")
+    ]
+    assert bad == []

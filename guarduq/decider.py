@@ -1,0 +1,183 @@
+"""The policy and calibrator in force, as one immutable pair, and how a new pair is loaded.
+
+A ``Guard`` reads its ``Decider`` once per response when it decides, so replacing the whole object
+(``Guard.reload``; ``guarduq serve``'s ``/admin/reload``, SIGHUP and ``--watch``) can never pair an
+old policy with a new calibrator. ``Decider.load`` checks what a Guard checks when it is built
+(policy schema, the model the policy is for, the calibrator's fingerprint, binding sinks and the
+second opinion) and, for a reload, that the calibrator reads scores over the scorer's parameter set:
+a file that fails raises before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guarduq.calibration import Calibrator, feature_matrix
+from guarduq.errors import CalibrationError
+from guarduq.policy import Policy
+
+if TYPE_CHECKING:
+    from guarduq.models import ModelInfo
+    from guarduq.scoring.uncertainty import Scores
+
+PolicySpec = Policy | str | os.PathLike[str] | None
+CalibratorSpec = Calibrator | str | os.PathLike[str] | None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What ``Policy.bind`` gets besides the calibrator, kept so that a reload binds alike."""
+
+    second_opinion: Any = None
+    allow_callables: tuple[str, ...] = ()
+    sinks: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which pair decided a reply: ``policy`` is ``name@version``; None where there is none."""
+
+    policy: str | None = None
+    policy_sha256: str | None = None
+    calibrator_sha256: str | None = None
+
+    def to_dict(self) -> dict[str, str | None]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Decider:
+    """A bound policy and its calibrator, and where they came from.
+
+    ``policy_source``/``calibrator_source``: a ``Path`` is re-read by ``reloaded``; an object is
+    kept as given (a ``Calibrator`` does not remember its file). A ``calibrator_source`` of None
+    means the file the policy names, looked up again in each newly read policy.
+    """
+
+    policy: Policy | None = None
+    calibrator: Calibrator | None = None
+    policy_source: Path | Policy | None = None
+    calibrator_source: Path | Calibrator | None = None
+    binding: Binding = field(default_factory=Binding)
+
+    @property
+    def identity(self) -> Identity:
+        p, c = self.policy, self.calibrator
+        return Identity(f"{p.name}@{p.version}" if p is not None else None,
+                        p.sha256 if p is not None else None, c.sha256 if c is not None else None)
+
+    def files(self) -> tuple[Path, ...]:
+        """The files a reload re-reads (what ``guarduq serve --watch`` polls)."""
+        cal = self.calibrator_source
+        if cal is None and self.policy is not None:
+            cal = self.policy.calibrator_path
+        return tuple(f for f in (self.policy_source, cal) if isinstance(f, Path))
+
+    @classmethod
+    def load(
+        cls,
+        policy: PolicySpec,
+        calibrator: CalibratorSpec,
+        model: ModelInfo,
+        binding: Binding | None = None,
+        *,
+        parameter_set: str | None = None,
+        strict: bool = False,
+    ) -> Decider:
+        """Read, check and bind a pair for ``model``. ``parameter_set``: the scorer's, which the
+        calibrator must have been fitted over. ``strict`` (reloads): also check the fingerprint of a
+        calibrator given as an object."""
+        binding = binding or Binding()
+        pol = Policy.from_yaml(policy) if isinstance(policy, str | os.PathLike) else policy
+        spec = calibrator
+        if calibrator is None and pol is not None:
+            calibrator = pol.calibrator_path
+        if isinstance(calibrator, str | os.PathLike):
+            cal = Calibrator.load(calibrator, expected_fingerprint=model.fingerprint)
+        else:
+            cal = calibrator
+            if strict and cal is not None:
+                cal.check_model(model.fingerprint)
+        if cal is not None and parameter_set is not None and cal.parameter_set_ != parameter_set:
+            raise CalibrationError(
+                f"the calibrator was fitted on gradients over parameters '{cal.parameter_set_}', but this "
+                f"Guard's scorer takes them over '{parameter_set}': a different set needs a different "
+                "gradient, so it cannot be swapped in; start a new Guard (or server) with it"
+            )
+        bound = None
+        if pol is not None:
+            known_as = {model.name}
+            if cal is not None and cal.model_fingerprint == model.fingerprint:
+                known_as.add(cal.model_name)
+            pol.check_model(known_as, model.fingerprint)
+            bound = pol.bind(second_opinion=binding.second_opinion, allow_callables=binding.allow_callables,
+                             sinks=binding.sinks, calibrator=cal)
+        return cls(bound, cal, policy_source=_source(policy, pol), calibrator_source=_source(spec, spec),
+                   binding=binding)
+
+    def reloaded(
+        self,
+        model: ModelInfo,
+        *,
+        policy: PolicySpec = None,
+        calibrator: CalibratorSpec = None,
+        parameter_set: str | None = None,
+    ) -> Decider:
+        """A new pair from ``policy``/``calibrator`` (None: this pair's sources, files re-read),
+        bound as this one was; raises a ``GuardUQError`` naming what failed."""
+        return Decider.load(
+            policy if policy is not None else self.policy_source,
+            calibrator if calibrator is not None else self.calibrator_source,
+            model, self.binding, parameter_set=parameter_set, strict=True,
+        )
+
+
+def _source(given: Any, obj: Any) -> Any:
+    return Path(given) if isinstance(given, str | os.PathLike) else obj
+
+
+def binding_of(second_opinion: Any, allow_callables: Collection[str], sinks: Mapping[str, Any] | None) -> Binding:
+    """The ``Binding`` of a Guard's constructor arguments."""
+    return Binding(second_opinion, tuple(allow_callables), dict(sinks) if sinks is not None else None)
+
+
+def pair_attribute(name: str) -> property:
+    """``Guard.policy``/``Guard.calibrator``: one half of the pair in force. Assigning one
+    replaces the pair with a copy holding the new half, unchecked, as a plain attribute was."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.decider, name)
+
+    def set_(self: Any, value: Any) -> None:
+        self.decider = replace(self.decider, **{name: value})
+
+    return property(get, set_, doc=f"The {name} in force (``decider.{name}``).")
+
+
+def calibrated_signals(
+    calibrator: Calibrator | None, scores: Scores, extra: dict[str, float] | None = None
+) -> dict[str, float]:
+    """``risk`` and the z-scores (``epistemic_z``, ``aleatoric_z``) the calibrator can give.
+
+    ``extra``: opt-in features computed outside the scoring pass (e.g. ``p_true``).
+
+    The z-scores use the calibrator's own standardisation (its scaler was fitted on this model's
+    calibration data), so 1.0 means one standard deviation above this model's usual value.
+    """
+    if calibrator is None:
+        return {}
+    if extra:
+        scores = {**scores.to_dict(with_token_probs=False), **extra}  # type: ignore[assignment]
+    out = {"risk": calibrator.risk(scores)}
+    x, ok = feature_matrix([scores], calibrator.features)
+    scaler = calibrator.pipeline_.named_steps["scale"]
+    z = (x[0] - scaler.mean_) / scaler.scale_
+    for feature, signal in (("log_epistemic", "epistemic_z"), ("aleatoric", "aleatoric_z")):
+        if feature in calibrator.features:
+            out[signal] = float(z[calibrator.features.index(feature)]) if ok[0] else math.nan
+    return out
