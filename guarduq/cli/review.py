@@ -1,0 +1,80 @@
+"""``guarduq review``: the reviewers' web page over a store, served by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from guarduq.cli._help import with_example
+from guarduq.cli.serve import api_keys_from_env, check_bind
+from guarduq.errors import GuardUQError, InputError
+
+if TYPE_CHECKING:
+    from guarduq.review import ReviewPageSettings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("review", help="web page to label sampled replies (queue, keys, progress, export)",
+                       **with_example("guarduq review --store sqlite:///guarduq.db --policy policies/review.yaml",
+                                      "guarduq review --store postgresql://reviews@db/guarduq --host 0.0.0.0 "
+                                      "--api-key-env GUARDUQ_REVIEW_KEYS --alpha 0.2"))
+    p.add_argument("--store", required=True, metavar="URL",
+                   help="the store's database URL (sqlite:///path.db, postgresql+psycopg://...)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="environment variable holding the API key(s), comma-separated; reviewers sign "
+                        "in with their name and a key")
+    p.add_argument("--allow-unauthenticated-remote", action="store_true",
+                   help="bind a non-loopback host without an API key (not recommended)")
+    p.add_argument("--policy", type=Path, help="YAML policy whose alpha the progress line counts towards")
+    p.add_argument("--alpha", type=float, help="the target error rate to count towards (overrides --policy's)")
+    p.add_argument("--delta", type=float, default=0.1, help="the certificate's confidence is 1 - delta")
+    p.add_argument("--threshold-fraction", type=float, default=0.3,
+                   help="share of labels guarduq calibrate puts in its threshold split (its default)")
+    p.add_argument("--reviewer", default="reviewer", help="name stored with labels when a reviewer gives none")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_cmd_review)
+
+
+def review_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> ReviewPageSettings:
+    """``ReviewPageSettings`` from the parsed flags (also used by ``guarduq serve --review``)."""
+    from guarduq.review import ReviewPageSettings
+
+    alpha = args.alpha
+    if alpha is None and getattr(args, "policy", None) is not None:
+        from guarduq.policy import Policy
+
+        alpha = Policy.from_yaml(args.policy).alpha
+    return ReviewPageSettings(api_keys=keys, alpha=alpha, delta=args.delta,
+                          threshold_fraction=getattr(args, "threshold_fraction", 0.3),
+                          reviewer_default=getattr(args, "reviewer", "reviewer"),
+                          allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+
+
+def _cmd_review(args: argparse.Namespace) -> int:
+    keys = api_keys_from_env(args.api_key_env)
+    check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be 1 to 65535, got {args.port}")
+    try:
+        import uvicorn
+
+        from guarduq.review import create_review_app
+        from guarduq.store import Store
+    except ImportError as exc:
+        raise GuardUQError(f"the review page needs the review extra: pip install 'guarduq[review]' ({exc})") from exc
+
+    settings = review_settings(args, keys)
+    store = Store(args.store)
+    try:
+        app = create_review_app(store, settings)
+        print(f"guarduq: review page on http://{args.host}:{args.port}/  "
+              f"auth={'on' if keys else 'off (loopback only)'}  alpha={settings.alpha}",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        store.close()
+    return 0
