@@ -154,10 +154,14 @@ class Calibrator:
         scores: Sequence[ScoreLike],
         labels: Iterable[Any],
         groups: Sequence[str] | None = None,
+        sample_weight: Sequence[float] | None = None,
     ) -> Calibrator:
         """Fit the scaler + logistic regression on valid rows (invalid ones are counted, excluded).
 
         ``groups`` (one name per item, e.g. its dataset) is needed by ``within_groups=True``.
+        ``sample_weight`` (one positive number per item, e.g. the inverse inclusion probability
+        of a reviewed reply) weights each item's log-loss; it is rescaled to mean 1 over the valid
+        rows, so ``C`` keeps its meaning per item. Pooled fits only.
         """
         scores = list(scores)
         sets = {_parameter_set(s) for s in scores}
@@ -174,6 +178,7 @@ class Calibrator:
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
+        weights = _weights(sample_weight, len(scores), ok, grouped=codes is not None)
         present: list[str] = []  # the groups left after invalid rows are dropped
         if codes is not None:
             codes = codes[ok]
@@ -197,9 +202,9 @@ class Calibrator:
                 "wrong answers (use more or different data)"
             )
         target = 1 - y  # wrong
-        C, self.cv_ = self._choose_C(X, target, codes)
+        C, self.cv_ = self._choose_C(X, target, codes, weights)
         if codes is None:
-            pipe = pipeline(C).fit(X, target)
+            pipe = pipeline(C).fit(X, target, logistic__sample_weight=weights)
             self.groups_ = None
         else:
             mean, scale = standardisation(X)
@@ -236,9 +241,13 @@ class Calibrator:
         return codes, [str(x) for x in names]
 
     def _choose_C(
-        self, X: np.ndarray, target: np.ndarray, codes: np.ndarray | None = None
+        self, X: np.ndarray, target: np.ndarray, codes: np.ndarray | None = None,
+        weights: np.ndarray | None = None,
     ) -> tuple[float, dict[str, Any] | None]:
         """The given C, or the CV choice (ties go to the stronger prior, the smaller C).
+
+        With ``weights``, each fold is fitted and scored with them (a weighted mean held-out
+        log-loss), the same objective the final fit minimises.
 
         A within fit is scored as the fixed-effects model it fits: each held-out item with its
         own group's intercept (``logistic.held_out_logits``), so C is tuned for the within
@@ -259,10 +268,11 @@ class Calibrator:
             a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
             t = target[te].astype(float)
             g_tr, g_te = (codes[tr], codes[te]) if codes is not None else (None, None)
+            w_tr, w_te = (weights[tr], weights[te]) if weights is not None else (None, None)
             for j, c in enumerate(self.cv_grid):
-                z = held_out_logits(a, target[tr].astype(float), c, b, g_tr, g_te)
+                z = held_out_logits(a, target[tr].astype(float), c, b, g_tr, g_te, weights_a=w_tr)
                 p = np.clip(1 / (1 + np.exp(-z)), 1e-15, 1 - 1e-15)
-                losses[i, j] = -np.mean(t * np.log(p) + (1 - t) * np.log(1 - p))
+                losses[i, j] = -np.average(t * np.log(p) + (1 - t) * np.log(1 - p), weights=w_te)
         means = -losses.mean(axis=0)  # neg_log_loss: higher is better
         best = int(np.flatnonzero(means >= means.max() - 1e-12)[0])  # grid ascends: smallest C
         cv = {
@@ -550,6 +560,23 @@ class Calibrator:
         fitted = f"n_fit={self.n_fit_}" if hasattr(self, "pipeline_") else "unfitted"
         name = f"{self.feature_set!r}: " if self.feature_set else ""
         return f"Calibrator(features={name}{list(self.features)}, model={self.model_name!r}, {fitted})"
+
+
+def _weights(
+    sample_weight: Sequence[float] | None, n: int, ok: np.ndarray, *, grouped: bool
+) -> np.ndarray | None:
+    """The valid rows' weights, rescaled to mean 1; None when none were given."""
+    if sample_weight is None:
+        return None
+    if grouped:
+        raise CalibrationError("sample_weight is supported by pooled fits only (not within_groups)")
+    w = np.asarray(list(sample_weight), dtype=float)
+    if w.shape != (n,):
+        raise CalibrationError(f"sample_weight has {w.size} values for {n} items")
+    if not (np.isfinite(w).all() and (w > 0).all()):
+        raise CalibrationError("sample_weight must hold finite positive numbers")
+    w = w[ok]
+    return w / w.mean() if w.size else w
 
 
 def _as_float(x: Any) -> float:

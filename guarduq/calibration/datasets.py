@@ -2,7 +2,7 @@
 
 Each loader is a small subclass of :class:`Dataset` (one per file format), built by the factory
 :func:`load_dataset` from a plain string (``"triviaqa"``, ``"nq-open"``, ``"truthfulqa-gen"``, ``"truthfulqa-mc"``,
-``"arc"``, ``"boolq"``, ``"jsonl"``), so CLI flags and YAML can name them.
+``"arc"``, ``"boolq"``, ``"sst2"``, ``"jsonl"``), so CLI flags and YAML can name them.
 
 Every item carries a stable id (the dataset's own id, else a hash of its content) because the
 scoring cache and the calibration / test split are both keyed by it: the same question lands in
@@ -28,12 +28,12 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from guarduq._logging import get_logger
-from guarduq.errors import DatasetError
+from guarduq.errors import DatasetError, InputError
 
 log = get_logger("datasets")
 
@@ -70,7 +70,7 @@ class Item:
     id: str
     dataset: str
     kind: Kind
-    prompt: str
+    prompt: str | list[dict[str, str]]  # chat messages only in labelled logs
     question: str
     grader: Literal["alias", "rouge", "choice", "given"]
     answers: tuple[str, ...] = ()  # TriviaQA aliases
@@ -92,10 +92,10 @@ class Item:
     @property
     def prompt_hash(self) -> str:
         """Hash of everything that decides the model's input; a changed prompt format re-scores."""
-        payload = json.dumps(
-            [self.prompt, list(self.options), self.response, list(self.stop_strings)],
-            ensure_ascii=False,
-        )
+        fields: list[Any] = [self.prompt, list(self.options), self.response, list(self.stop_strings)]
+        if self.meta.get("ended") is False:  # a reply cut short is scored without end-of-turn
+            fields.append("ended=false")
+        payload = json.dumps(fields, ensure_ascii=False)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -270,7 +270,9 @@ class Dataset:
     def _item(self, row: dict[str, Any]) -> Item:
         raise NotImplementedError
 
-    def _new(self, raw_id: str, question: str, prompt: str | None = None, **fields: Any) -> Item:
+    def _new(
+        self, raw_id: str, question: str, prompt: str | list[dict[str, str]] | None = None, **fields: Any
+    ) -> Item:
         """An item of this dataset: namespaced id, default QA prompt, the style's stop strings.
 
         Few-shot answers end at a newline, generated (qa) or chosen (mc) alike.
@@ -498,20 +500,126 @@ class BoolQ(Dataset):
         )
 
 
+class SST2(Dataset):
+    """GLUE SST-2 TSV (header ``sentence<TAB>label``, 1 = positive, no quoting) as a two-option
+    question, like BoolQ's Yes/No: the model "chooses" Positive or Negative for a movie-review
+    sentence. A task outside the shipped calibrator's seven QA sets (the drift evidence's
+    never-seen case)."""
+
+    name = "sst2"
+    kind = "mc"
+    columns: ClassVar[tuple[str, ...]] = ("sentence", "label")
+
+    def _rows(self) -> Iterator[tuple[int, Any]]:
+        try:
+            with open(self.path, encoding="utf-8-sig", newline="") as f:
+                reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+                header = next(reader, None)
+                if header is None or [h.strip() for h in header[:2]] != list(self.columns):
+                    raise DatasetError(f"{self.path}: not an SST-2 TSV, expected the header "
+                                       f"'sentence<TAB>label', found {header}")
+                for row in reader:
+                    if not row or not any(c.strip() for c in row):
+                        continue
+                    if len(row) != 2:
+                        self._bad(reader.line_num, f"expected 2 tab-separated fields, got {len(row)}")
+                        continue
+                    yield reader.line_num, dict(zip(self.columns, row, strict=True))
+        except UnicodeDecodeError as exc:
+            raise DatasetError(f"{self.path}: not UTF-8 text ({exc.reason})") from exc
+        except csv.Error as exc:
+            raise DatasetError(f"{self.path}: malformed TSV: {exc}") from exc
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        sentence = " ".join(_require(row, "sentence").split())
+        label = _require(row, "label").strip()
+        if label not in {"0", "1"}:
+            raise _RowError(f"label {label!r} is neither 0 nor 1")
+        question = "Is the sentiment of this movie review positive or negative?"
+        if self.prompt_style == "fewshot":
+            prompt = f"Review: {sentence}\nSentiment (positive or negative):"
+        else:
+            prompt = f"Review: {sentence}\n\n{question} Answer positive or negative."
+        return self._new(
+            _content_id(sentence),
+            f"{question} {sentence}",
+            prompt,
+            grader="choice",
+            options=self.mc_options(("Positive", "Negative")),
+            answer_index=0 if label == "1" else 1,
+        )
+
+
 class LabelledJSONL(Dataset):
-    """Already-labelled logs: ``prompt``, ``response``, ``label`` (1/true = correct); optional ``id``."""
+    """Already-labelled logs: ``prompt`` (a string or chat messages), ``response``, ``label``
+    (1/true = correct); optional ``id``, ``ended`` (default true: the model closed its turn) and
+    ``guarduq_sample`` (how a reviewed reply was sampled, kept in ``Item.meta``)."""
 
     name = "jsonl"
     kind = "labelled"
 
     def _item(self, row: dict[str, Any]) -> Item:
-        prompt = _require(row, "prompt")
+        prompt = _require(row, "prompt", (str, list))
+        if isinstance(prompt, list):
+            prompt = _messages(prompt)
         response = _require(row, "response")
         label = _require(row, "label", (bool, int))
         if int(label) not in (0, 1):
             raise _RowError(f"label must be 0 or 1 (1 = correct), got {label!r}")
-        raw_id = str(row.get("id") or _content_id(prompt, response))
-        return self._new(raw_id, prompt, prompt, grader="given", response=response, label=int(label))
+        ended = row.get("ended", True)
+        if not isinstance(ended, bool):
+            raise _RowError(f"field 'ended' must be true or false, got {ended!r}")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
+        raw_id = str(row.get("id") or _content_id(text, response))
+        meta: dict[str, Any] = {"ended": ended}
+        if "guarduq_sample" in row:
+            meta["sample"] = _sample(row["guarduq_sample"])
+        item = self._new(raw_id, text, prompt, grader="given", response=response, label=int(label))
+        return replace(item, meta=meta)
+
+
+def _messages(prompt: list[Any]) -> list[dict[str, str]]:
+    """Chat messages as the Guard takes them (``layout.validate_prompt``), else a row error."""
+    from guarduq.layout import validate_prompt  # lazily: layout brings torch
+
+    try:
+        validate_prompt(prompt)
+    except InputError as exc:
+        raise _RowError(f"field 'prompt': {exc}") from None
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def _sample(value: Any) -> dict[str, Any]:
+    """A reviewed reply's sampling record: uniform draw, rate and inclusion probabilities."""
+    if not isinstance(value, dict):
+        raise _RowError("field 'guarduq_sample' must be an object")
+    try:
+        out = {
+            "uniform": bool(value["uniform"]),
+            "rate": float(value["rate"]),
+            "extra_probability": float(value["extra_probability"]),
+            "inclusion_probability": float(value["inclusion_probability"]),
+            "reasons": [str(r) for r in value.get("reasons", ())],
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _RowError(f"field 'guarduq_sample' is incomplete or malformed: {exc}") from None
+    if not (0 <= out["rate"] <= 1 and 0 <= out["extra_probability"] <= 1
+            and 0 < out["inclusion_probability"] <= 1):
+        raise _RowError("field 'guarduq_sample' holds probabilities outside [0, 1]")
+    return out
+
+
+class Reviews(LabelledJSONL):
+    """Replies labelled by reviewers, exported from a store (``guarduq calibrate --dataset
+    reviews --store URL``): every row carries its ``guarduq_sample``, so calibration can fit with
+    inverse-probability weights and certify thresholds on the uniform sample alone."""
+
+    name = "reviews"
+
+    def _item(self, row: dict[str, Any]) -> Item:
+        if "guarduq_sample" not in row:
+            raise _RowError("a reviewed reply needs its 'guarduq_sample' (export it from a store)")
+        return super()._item(row)
 
 
 class CommonsenseQA(ARC):
@@ -528,7 +636,9 @@ DATASETS: dict[str, type[Dataset]] = {
     "arc": ARC,
     "commonsenseqa": CommonsenseQA,
     "boolq": BoolQ,
+    "sst2": SST2,
     "jsonl": LabelledJSONL,
+    "reviews": Reviews,
 }
 
 

@@ -201,7 +201,7 @@ def score_items(
             to_score.append((i, options[choice], ended, fields))
         elif item.kind == "labelled":
             assert item.response is not None
-            to_score.append((i, item.response, True, {"label": item.label}))
+            to_score.append((i, item.response, bool(item.meta.get("ended", True)), {"label": item.label}))
         else:
             out[i] = InputError(f"unknown item kind {item.kind!r}")
     for stops, idx in by_settings.items():

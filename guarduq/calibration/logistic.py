@@ -41,15 +41,23 @@ def _one_hot(groups: np.ndarray | None, n: int) -> np.ndarray:
 
 
 def ridge_logistic(
-    X: np.ndarray, t: np.ndarray, C: float, groups: np.ndarray | None = None, iters: int = 50
+    X: np.ndarray,
+    t: np.ndarray,
+    C: float,
+    groups: np.ndarray | None = None,
+    iters: int = 50,
+    weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """argmin_w,b  C * sum_i logloss(t_i, x_i.w + b_g(i)) + |w|^2 / 2, intercepts unpenalised.
+    """argmin_w,b  C * sum_i v_i logloss(t_i, x_i.w + b_g(i)) + |w|^2 / 2, intercepts unpenalised.
 
     Without ``groups`` this is ``LogisticRegression(C)``'s objective (one intercept, returned as
     a length-1 array); with integer group codes each group gets its own free intercept (a fixed
-    effect). The objective is convex, so damped Newton steps converge in a few iterations.
+    effect). ``weights`` v (default 1) is scikit-learn's ``sample_weight``: an integer weight is
+    the same as repeating the row. The objective is convex, so damped Newton steps converge in a
+    few iterations.
     """
     n, k = X.shape
+    v = np.ones(n) if weights is None else np.asarray(weights, float)
     G = _one_hot(groups, n)
     A = np.hstack([X, G])
     theta = np.zeros(k + G.shape[1])
@@ -58,13 +66,13 @@ def ridge_logistic(
 
     def objective(th: np.ndarray) -> float:
         z = A @ th
-        return float(C * np.sum(np.logaddexp(0, z) - t * z) + 0.5 * th[:k] @ th[:k])
+        return float(C * np.sum(v * (np.logaddexp(0, z) - t * z)) + 0.5 * th[:k] @ th[:k])
 
     f = objective(theta)
     for _ in range(iters):
         p = 1 / (1 + np.exp(-(A @ theta)))
-        grad = C * A.T @ (p - t) + reg * theta
-        hess = C * (A.T * (p * (1 - p))) @ A + np.diag(reg)
+        grad = C * A.T @ (v * (p - t)) + reg * theta
+        hess = C * (A.T * (v * p * (1 - p))) @ A + np.diag(reg)
         step = np.linalg.solve(hess, grad)
         lr = 1.0
         while lr > 1e-6:
@@ -115,14 +123,16 @@ def held_out_logits(
     b: np.ndarray,
     groups_a: np.ndarray | None = None,
     groups_b: np.ndarray | None = None,
+    weights_a: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Fit on (a, t), return the logits of the held-out rows b (a cross-validation fold).
+    """Fit on (a, t) (rows weighted by ``weights_a``), return the logits of the held-out rows b
+    (a cross-validation fold).
 
     With groups, each held-out row gets its own group's intercept, as the fixed-effects model was
     fitted; a group with no training row in this fold gets the serving intercept instead.
     """
     if groups_a is None or groups_b is None:
-        w, w0 = ridge_logistic(a, t, C)
+        w, w0 = ridge_logistic(a, t, C, weights=weights_a)
         return np.asarray(b @ w + w0[0])
     seen, codes = np.unique(groups_a, return_inverse=True)
     w, w0 = ridge_logistic(a, t, C, groups=codes)

@@ -110,3 +110,19 @@ def calibration_warnings(
                 "answers in all)"
             )
     return out
+
+
+def labels_needed(alpha: float, delta: float, threshold_fraction: float, error_rate: float = 0.0) -> int | None:
+    """Labelled answers in all (fit + threshold + test) before ``alpha`` can be certified.
+
+    The threshold split (``threshold_fraction`` of them) must hold the test's first accepted
+    set: at least the zero-error Clopper-Pearson floor and :func:`start_size`, more at an
+    observed ``error_rate`` (:func:`accepted_needed`; None when ``error_rate`` >= alpha, where
+    only a subset that risk isolates could be certified, and no count suffices by itself).
+    """
+    if not 0 < threshold_fraction < 1:
+        raise ValueError(f"threshold_fraction must be in (0, 1), got {threshold_fraction}")
+    at_rate = accepted_needed(alpha, delta, error_rate)
+    if at_rate is None:
+        return None
+    return math.ceil(max(at_rate, start_size(alpha, delta)) / threshold_fraction)

@@ -28,6 +28,13 @@ from guarduq.calibration.analysis import FEATURE_RULES, available, select_featur
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
 from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
+from guarduq.cli.reviews import (
+    REVIEWS,
+    check_review_size,
+    review_data_file,
+    review_parts,
+    weights_summary,
+)
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -92,8 +99,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", action="append", choices=sorted(DATASETS), required=True,
-                   help="dataset kind; pair each with a --data (repeatable, to mix datasets)")
-    p.add_argument("--data", action="append", type=Path, required=True, help="path of the dataset file")
+                   help="dataset kind; pair each with a --data (repeatable, to mix datasets); "
+                   "'reviews' reads labelled replies from --store instead")
+    p.add_argument("--data", action="append", type=Path, default=[], help="path of the dataset file")
+    p.add_argument("--store", metavar="URL", help="--dataset reviews: the store's database URL "
+                   "(sqlite:///guarduq.db, postgresql://...)")
+    p.add_argument("--since", metavar="DATE", help="--dataset reviews: only replies from this "
+                   "date or time on (ISO 8601)")
     p.add_argument("--limit", action="append", metavar="N|DATASET=N",
                    help="at most N items per dataset (a stable subset); DATASET=N gives one dataset "
                    "its own limit (repeatable: --limit 450 --limit boolq=300)")
@@ -112,16 +124,25 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
-    if len(args.dataset) != len(args.data):
+    if REVIEWS in args.dataset:
+        if len(args.dataset) > 1 or args.data:
+            raise InputError("--dataset reviews stands alone (no --data, no other --dataset): its "
+                             "weights and certificate describe your traffic, not a mix with benchmarks")
+        paths = [review_data_file(args)]
+    else:
+        if args.store or args.since:
+            raise InputError("--store and --since go with --dataset reviews")
+        paths = args.data
+    if len(args.dataset) != len(paths):
         raise InputError(
             f"--dataset and --data come in pairs: got {len(args.dataset)} --dataset and "
-            f"{len(args.data)} --data"
+            f"{len(paths)} --data"
         )
     limits = _limits(args.limit or (), args.dataset)
     return [
         load_dataset(name, path, prompt_style=style, skip_malformed=args.skip_malformed,
                      limit=limits.get(name, limits.get("")))
-        for name, path in zip(args.dataset, args.data, strict=True)
+        for name, path in zip(args.dataset, paths, strict=True)
     ]
 
 
@@ -290,9 +311,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    split = _splitter(datasets, fractions)
-    for r in ok:
-        parts[split(r)].append(r)
+    weights = None
+    if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
+        parts, weights, n_uniform = review_parts(ok, datasets, fractions)
+        check_review_size(parts, n_uniform, alphas, args.delta, fractions)
+    else:
+        split = _splitter(datasets, fractions)
+        for r in ok:
+            parts[split(r)].append(r)
     for name, part in parts.items():
         if not part:
             raise CalibrationError(
@@ -307,8 +333,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                      model_fingerprint=guard.info.fingerprint)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
-    cal.split_ = fractions
-    cal.fit(*_xy(parts["fit"]))  # the third column, each item's dataset, is used by --within-datasets
+    cal.split_ = fractions if weights is None else {**fractions, "reviews_uniform": float(n_uniform)}
+    cal.fit(*_xy(parts["fit"]), sample_weight=weights)  # the 3rd column, each item's dataset: --within-datasets
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
@@ -342,6 +368,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     payload["parameter_set"] = cal.parameter_set_
     payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
     payload["within_datasets"] = cal.groups_
+    if weights is not None:
+        payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights)}
     header = (
         f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
         f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items\n"

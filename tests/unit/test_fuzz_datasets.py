@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from guarduq.calibration.datasets import DATASETS, Dataset, load_dataset
 from guarduq.calibration.labels import label_choice, label_response
 from guarduq.errors import GuardUQError
+from guarduq.layout import validate_prompt
 from tests.unit.fuzz_support import clean, examples, json_values, junk, texts
 
 pytestmark = pytest.mark.fuzz
@@ -65,10 +66,25 @@ ROWS = {
         optional={"id": maybe(texts, json_values)},
     ),
 }
+ROWS["reviews"] = st.fixed_dictionaries(
+    {"prompt": maybe(field_text, st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]) | field_text, "content": field_text}),
+        max_size=3), json_values),
+     "response": maybe(field_text, json_values),
+     "label": maybe(st.sampled_from([0, 1, True, False]), json_values),
+     "guarduq_sample": maybe(st.fixed_dictionaries(
+         {"uniform": st.booleans(), "rate": st.floats(-0.5, 1.5), "extra_probability": st.floats(0, 1),
+          "inclusion_probability": st.floats(-0.1, 1.1)}), json_values)},
+    optional={"id": maybe(texts, json_values), "ended": maybe(st.booleans(), json_values)},
+)
 ROWS["commonsenseqa"] = ROWS["arc"]
 ROWS["nq-open"] = st.fixed_dictionaries(
     {"question": maybe(field_text, json_values), "answer": maybe(st.lists(field_text, max_size=3), json_values)},
     optional={"id": maybe(texts, json_values)},
+)
+# SST-2 is a TSV (sentence<TAB>label); its rows become lines, a field with a tab or newline a bad row.
+ROWS["sst2"] = st.fixed_dictionaries(
+    {"sentence": maybe(field_text, st.just(""), texts), "label": maybe(st.sampled_from(["0", "1", " 1 "]), texts)},
 )
 TQA_COLUMNS = ["Type", "Category", "Question", "Best Answer", "Correct Answers", "Incorrect Answers", "Source"]
 
@@ -95,6 +111,17 @@ def jsonl_file(draw: st.DrawFn, name: str) -> str:
 
 
 @st.composite
+def sst2_file(draw: st.DrawFn) -> str:
+    header = draw(st.sampled_from(["sentence\tlabel"] * 4 + ["text\tlabel", "", "sentence"]))
+    lines = [header]
+    for _ in range(draw(st.integers(0, 5) | st.integers(1, 5))):
+        row = draw(ROWS["sst2"])
+        fields = [row["sentence"], row["label"]][: draw(st.sampled_from([2, 2, 2, 1]))]
+        lines.append("\t".join(fields) + draw(st.sampled_from(["", "\t", "\textra"])))
+    return "\n".join(lines) + draw(st.sampled_from(["", "\n", "\r\n"]))
+
+
+@st.composite
 def truthfulqa_file(draw: st.DrawFn) -> str:
     columns = draw(st.one_of(st.just(TQA_COLUMNS), st.just(TQA_COLUMNS), st.just(TQA_COLUMNS),
                              st.lists(st.sampled_from(TQA_COLUMNS), max_size=7, unique=True), st.lists(texts, max_size=4)))
@@ -114,7 +141,10 @@ def truthfulqa_file(draw: st.DrawFn) -> str:
 @st.composite
 def dataset_case(draw: st.DrawFn) -> tuple[str, bytes]:
     name = draw(st.sampled_from(sorted(DATASETS)))
-    text = draw(truthfulqa_file()) if name.startswith("truthfulqa") else draw(jsonl_file(name))
+    if name.startswith("truthfulqa"):
+        text = draw(truthfulqa_file())
+    else:
+        text = draw(sst2_file()) if name == "sst2" else draw(jsonl_file(name))
     encoding = draw(st.sampled_from(["utf-8"] * 4 + ["utf-8-sig", "utf-16", "utf-16-le", "latin-1", "raw"]))
     if encoding == "raw":
         raw = draw(st.binary(max_size=200))
@@ -128,8 +158,12 @@ def dataset_case(draw: st.DrawFn) -> tuple[str, bytes]:
 def _check_items(ds: Dataset, response: str) -> None:
     assert len(ds) >= 1 and ds.sha256
     for item in ds:
-        assert isinstance(item.id, str) and isinstance(item.prompt, str) and item.prompt.strip()
-        item.prompt.encode("utf-8")  # no lone surrogates leak into prompts
+        assert isinstance(item.id, str)
+        if isinstance(item.prompt, list):  # chat messages (labelled logs): as the Guard takes them
+            assert item.kind == "labelled" and validate_prompt(item.prompt) is item.prompt
+        else:
+            assert isinstance(item.prompt, str) and item.prompt.strip()
+            item.prompt.encode("utf-8")  # no lone surrogates leak into prompts
         assert item.split in {"fit", "threshold", "test"} and len(item.prompt_hash) == 16
         if item.kind == "qa":
             assert label_response(item, response) in (0, 1)

@@ -1,0 +1,181 @@
+"""The README's "Calibrate on your own traffic" walkthrough, step by step, as a user runs it:
+real SmolLM2 behind ``guarduq serve`` with a store and the review page, labels typed in a real
+browser, ``guarduq calibrate --dataset reviews``, and a hot reload that later replies name.
+
+Each step below carries the README's step number. Only the labelling is automated (the test
+knows each question's answer); everything else is the commands the README gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from guarduq.calibration.labels import alias_match
+from guarduq.store import Store
+from tests.browser_helpers import NEEDS_BROWSER, chrome, press, wait_away
+from tests.unit.serve_helpers import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, NEEDS_BROWSER]
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARDUQ = str(Path(sys.executable).with_name("guarduq"))
+ADMIN = "walkthrough-admin-key"
+# Questions with their accepted answers: the first ones SmolLM2 usually gets right, the last
+# ones it usually does not, so the labels hold both verdicts.
+QUESTIONS: list[tuple[str, list[str]]] = [
+    ("What is the capital of France?", ["Paris"]),
+    ("How many legs does a spider have?", ["eight", "8"]),
+    ("What is 2 + 2?", ["4", "four"]),
+    ("What colour is the sky on a clear day?", ["blue"]),
+    ("What is the largest planet in the solar system?", ["Jupiter"]),
+    ("Who wrote Hamlet?", ["Shakespeare"]),
+    ("What is the capital of Japan?", ["Tokyo"]),
+    ("Which ocean is the largest?", ["Pacific"]),
+    ("What language is spoken in Brazil?", ["Portuguese"]),
+    ("How many days are in a week?", ["seven", "7"]),
+    ("What is the chemical symbol for water?", ["H2O"]),
+    ("What is the capital of Italy?", ["Rome"]),
+    ("Which planet is known as the Red Planet?", ["Mars"]),
+    ("What is the freezing point of water in Celsius?", ["0", "zero"]),
+    ("Who painted the Mona Lisa?", ["Leonardo", "da Vinci"]),
+    ("In which year did the Battle of Hastings take place?", ["1066"]),
+    ("What is the capital of Burkina Faso?", ["Ouagadougou"]),
+    ("Who was the second person to walk on the Moon?", ["Buzz Aldrin", "Aldrin"]),
+    ("What is the atomic number of tungsten?", ["74", "seventy-four"]),
+    ("Who composed the opera Turandot?", ["Puccini"]),
+    ("What is the smallest prime number greater than 90?", ["97"]),
+    ("Which element has the chemical symbol Sb?", ["antimony"]),
+    ("What is the capital of Kazakhstan?", ["Astana"]),
+    ("Who wrote the novel Middlemarch?", ["George Eliot", "Eliot"]),
+    ("In which year did the Chernobyl disaster happen?", ["1986"]),
+    ("What is the longest river in Asia?", ["Yangtze"]),
+    ("Who discovered penicillin?", ["Fleming"]),
+    ("What is the hardest natural mineral?", ["diamond"]),
+]
+
+
+@pytest.fixture
+def mine(tmp_path: Path) -> Path:
+    """Step 1: a folder with your policy and calibrator (copies of the shipped ones), set to
+    sample every reply for review while you start out."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    shutil.copy(ROOT / "policies/calibrators/smollm2-135m-instruct.json", folder / "calibrator.json")
+    text = (ROOT / "policies/review.yaml").read_text()
+    edited = text.replace("calibrator: calibrators/smollm2-135m-instruct.json", "calibrator: calibrator.json")
+    edited = edited.replace("  rate: 0.1\n", "  rate: 1.0\n")
+    assert edited.count("calibrator.json") == 1 and "rate: 1.0" in edited  # the README's two edits
+    (folder / "policy.yaml").write_text(edited)
+    return folder
+
+
+@pytest.fixture
+def server(mine: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Step 2: ``guarduq serve`` with a store, the review page and an admin key."""
+    port, db = free_port(), tmp_path / "guarduq.db"
+    env = {**os.environ, "GUARDUQ_ADMIN_KEY": ADMIN}
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [GUARDUQ, "serve", "--policy", str(mine / "policy.yaml"), "--store", f"sqlite:///{db}", "--review",
+         "--admin-key-env", "GUARDUQ_ADMIN_KEY", "--port", str(port), "--default-max-tokens", "16"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("guarduq serve did not become ready:\n" + (tmp_path / "serve.log").read_text()[-3000:])
+        yield {"base": base, "store": f"sqlite:///{db}", "proc": proc}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _ask(base: str, question: str) -> dict[str, Any]:
+    r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+        "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    return r.json()["guarduq"]
+
+
+def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) -> None:
+    base = server["base"]
+    shipped = hashlib.sha256((mine / "calibrator.json").read_bytes()).hexdigest()
+
+    # Step 3: traffic. Every reply names the calibrator that decided it.
+    asked: dict[str, list[str]] = {}
+    for question, answers in QUESTIONS:
+        g = _ask(base, question)
+        assert g["calibrator_sha256"] == shipped
+        asked[g["request_id"]] = answers
+    assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == shipped
+
+    # Step 4: label in the browser at /review, by keyboard: r right, w wrong.
+    store = Store(server["store"])
+    try:
+        with chrome() as browser:
+            browser.get(base + "/review/")
+            press(browser, "j")  # open the first unlabelled item
+            wait_away(browser, base + "/review/")
+            labelled = 0
+            while (path := urlsplit(browser.current_url).path).startswith("/review/items/"):
+                rid = path.rsplit("/", 1)[1]
+                item = store.item(rid)
+                assert item is not None and item.reply.response is not None
+                right = alias_match(item.reply.response, asked[rid])
+                url = browser.current_url
+                press(browser, "r" if right else "w")
+                wait_away(browser, url)
+                labelled += 1
+        assert labelled == len(QUESTIONS)
+        progress = store.progress()
+        assert progress["labelled"] == len(QUESTIONS)
+        assert 0 < progress["wrong_uniform"] < len(QUESTIONS)  # both verdicts, or nothing to fit
+    finally:
+        store.close()
+
+    # Step 5: recalibrate from the reviews, into the file the policy names.
+    out = subprocess.run(
+        [GUARDUQ, "calibrate", "--dataset", "reviews", "--store", server["store"], "--alpha", "0.7",
+         "--test-fraction", "0.2", "--threshold-fraction", "0.2", "--out", str(mine / "calibrator.json"), "--report", str(mine / "report"), "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    new = report["sha256"]
+    assert new != shipped and report["reviews"]["uniform"] == len(QUESTIONS)
+    assert sum(report["split_sizes"].values()) == len(QUESTIONS)
+    assert (mine / "report" / "report.html").is_file()
+
+    # Step 6: hot reload, then every reply names the new calibrator.
+    r = httpx.post(base + "/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["changed"] and r.json()["new"]["calibrator_sha256"] == new
+    assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == new
+    assert _ask(base, "What is the capital of France?")["calibrator_sha256"] == new
