@@ -1,0 +1,110 @@
+"""``guarduq calibrate --dataset reviews --store URL``: the fit takes every label (weighted by
+1/pi), the certificate and the test only the uniform sample; too few labels are refused with
+how many more are needed; bad flag combinations are one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sqlalchemy")
+
+from guarduq.calibration.datasets import split_of  # noqa: E402
+from guarduq.cli import main  # noqa: E402
+from guarduq.store import Store  # noqa: E402
+from guarduq.store.records import Sample  # noqa: E402
+from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
+from tests.review.conftest import reply  # noqa: E402
+
+UNIFORM = Sample(("uniform",), True, 0.5, 0.0, 0.5)
+BAND = Sample(("band",), False, 0.5, 0.5, 0.75)
+FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(d)
+    make_tokenizer(chat_template=True).save_pretrained(d)
+    return d
+
+
+def labelled_store(path: Path, n_uniform: int, n_band: int) -> tuple[str, list[str], list[str]]:
+    """Replies with chat prompts; short answers right, long ones wrong (something to learn)."""
+    url = f"sqlite:///{path}"
+    store = Store(url)
+    rng = np.random.default_rng(0)
+    uniform, band = [], []
+    for i in range(n_uniform + n_band):
+        right = bool(rng.random() < 0.5)
+        answer = "yes" if right else "it is " + "very " * int(rng.integers(2, 6)) + "unclear"
+        r = reply(i, prompt=[{"role": "user", "content": f"question {i}?"}], response=answer)
+        s = UNIFORM if i < n_uniform else BAND
+        store.record(r, s)
+        store.add_label(r.request_id, reviewer="ann", label="right" if right else "wrong")
+        (uniform if i < n_uniform else band).append(r.request_id)
+    store.close()
+    return url, uniform, band
+
+
+def test_fit_takes_every_label_and_the_certificate_only_the_uniform_ones(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, uniform, band = labelled_store(tmp_path / "s.db", 60, 30)
+    out = tmp_path / "cal.json"
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--alpha", "0.6", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(capsys.readouterr().out)
+    in_fit = sum(split_of(f"reviews:{i}", **FRACTIONS) == "fit" for i in uniform)
+    assert res["split_sizes"]["fit"] == in_fit + len(band)  # band items only ever fit
+    assert res["split_sizes"]["threshold"] + res["split_sizes"]["test"] == len(uniform) - in_fit
+    assert res["reviews"]["uniform"] == len(uniform)
+    # pi_fit: uniform items rate*f + (1-rate)*0 = 0.2; band items 0.2 + 0.5*0.5 = 0.45
+    assert res["reviews"]["weights"]["max_over_min"] == pytest.approx(0.45 / 0.2)
+    art = json.loads(out.read_text())
+    assert art["split"]["reviews_uniform"] == len(uniform)
+
+
+def test_too_few_uniform_labels_are_refused_with_how_many_more(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _, _ = labelled_store(tmp_path / "s.db", 12, 30)
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--alpha", "0.3", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "12 labels come from the uniform sample" in err and "label about 28 more" in err
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--dataset", "reviews"], "give --store URL"),
+    (["--dataset", "reviews", "--store", "STORE", "--data", "x.jsonl"], "stands alone"),
+    (["--dataset", "jsonl", "--data", "x.jsonl", "--store", "STORE"], "go with --dataset reviews"),
+    (["--dataset", "reviews", "--store", "STORE", "--since", "last week"], "ISO 8601"),
+    (["--dataset", "reviews", "--store", "EMPTY"], "no reviewed replies labelled"),
+])
+def test_bad_review_flags_are_one_line(tmp_path: Path, tiny_model_dir: Path, argv: list[str], message: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    url, _, _ = labelled_store(tmp_path / "s.db", 3, 0)
+    empty = Store(f"sqlite:///{tmp_path / 'empty.db'}")
+    empty.close()
+    (tmp_path / "x.jsonl").write_text('{"prompt": "p", "response": "r", "label": 1}\n')
+    argv = [a.replace("STORE", url).replace("EMPTY", f"sqlite:///{tmp_path / 'empty.db'}")
+            .replace("x.jsonl", str(tmp_path / "x.jsonl")) for a in argv]
+    rc = main(["calibrate", "--model", str(tiny_model_dir), *argv, "--runs-dir", str(tmp_path / "runs"),
+               "--no-progress", "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_since_keeps_recent_replies_only(tmp_path: Path, tiny_model_dir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    url, _, _ = labelled_store(tmp_path / "s.db", 60, 0)  # reply i is T0 + i minutes (March 2025)
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--since", "2099-01-01", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out",
+               str(tmp_path / "c.json")])
+    assert rc == 2 and "since 2099-01-01" in capsys.readouterr().err
