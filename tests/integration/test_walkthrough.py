@@ -34,9 +34,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, NEEDS_BROWSER]
 ROOT = Path(__file__).resolve().parents[2]
 GUARDUQ = str(Path(sys.executable).with_name("guarduq"))
 ADMIN = "walkthrough-admin-key"
-# Questions with their accepted answers: the first ones SmolLM2 usually gets right, the last
-# ones it usually does not, so the labels hold both verdicts.
-QUESTIONS: list[tuple[str, list[str]]] = [
+DATA = Path(os.environ.get("GUARDUQ_DATA") or ROOT / ".." / "shared" / "data")
+TRIVIAQA = DATA / "triviaqa" / "triviaqa_dev_1k.jsonl"
+N_TRIVIAQA = 14
+# Traffic with known answers: questions SmolLM2 usually gets right, and TriviaQA questions
+# (../shared/data) it usually does not, so the labels hold both verdicts.
+EASY: list[tuple[str, list[str]]] = [
     ("What is the capital of France?", ["Paris"]),
     ("How many legs does a spider have?", ["eight", "8"]),
     ("What is 2 + 2?", ["4", "four"]),
@@ -47,25 +50,18 @@ QUESTIONS: list[tuple[str, list[str]]] = [
     ("Which ocean is the largest?", ["Pacific"]),
     ("What language is spoken in Brazil?", ["Portuguese"]),
     ("How many days are in a week?", ["seven", "7"]),
-    ("What is the chemical symbol for water?", ["H2O"]),
     ("What is the capital of Italy?", ["Rome"]),
     ("Which planet is known as the Red Planet?", ["Mars"]),
     ("What is the freezing point of water in Celsius?", ["0", "zero"]),
     ("Who painted the Mona Lisa?", ["Leonardo", "da Vinci"]),
-    ("In which year did the Battle of Hastings take place?", ["1066"]),
-    ("What is the capital of Burkina Faso?", ["Ouagadougou"]),
-    ("Who was the second person to walk on the Moon?", ["Buzz Aldrin", "Aldrin"]),
-    ("What is the atomic number of tungsten?", ["74", "seventy-four"]),
-    ("Who composed the opera Turandot?", ["Puccini"]),
-    ("What is the smallest prime number greater than 90?", ["97"]),
-    ("Which element has the chemical symbol Sb?", ["antimony"]),
-    ("What is the capital of Kazakhstan?", ["Astana"]),
-    ("Who wrote the novel Middlemarch?", ["George Eliot", "Eliot"]),
-    ("In which year did the Chernobyl disaster happen?", ["1986"]),
-    ("What is the longest river in Asia?", ["Yangtze"]),
-    ("Who discovered penicillin?", ["Fleming"]),
-    ("What is the hardest natural mineral?", ["diamond"]),
 ]
+
+
+def questions() -> list[tuple[str, list[str]]]:
+    from guarduq.calibration.datasets import load_dataset
+
+    trivia = load_dataset("triviaqa", TRIVIAQA, limit=N_TRIVIAQA)
+    return EASY + [(it.prompt, list(it.answers)) for it in trivia.items]
 
 
 @pytest.fixture
@@ -124,13 +120,15 @@ def _ask(base: str, question: str) -> dict[str, Any]:
     return r.json()["guarduq"]
 
 
+@pytest.mark.skipif(not TRIVIAQA.is_file(), reason=f"TriviaQA not found at {TRIVIAQA} (set GUARDUQ_DATA)")
 def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) -> None:
     base = server["base"]
+    traffic = questions()
     shipped = hashlib.sha256((mine / "calibrator.json").read_bytes()).hexdigest()
 
     # Step 3: traffic. Every reply names the calibrator that decided it.
     asked: dict[str, list[str]] = {}
-    for question, answers in QUESTIONS:
+    for question, answers in traffic:
         g = _ask(base, question)
         assert g["calibrator_sha256"] == shipped
         asked[g["request_id"]] = answers
@@ -153,10 +151,10 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
                 press(browser, "r" if right else "w")
                 wait_away(browser, url)
                 labelled += 1
-        assert labelled == len(QUESTIONS)
+        assert labelled == len(traffic)
         progress = store.progress()
-        assert progress["labelled"] == len(QUESTIONS)
-        assert 0 < progress["wrong_uniform"] < len(QUESTIONS)  # both verdicts, or nothing to fit
+        assert progress["labelled"] == len(traffic)
+        assert 0 < progress["wrong_uniform"] < len(traffic)  # both verdicts, or nothing to fit
     finally:
         store.close()
 
@@ -169,8 +167,8 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     new = report["sha256"]
-    assert new != shipped and report["reviews"]["uniform"] == len(QUESTIONS)
-    assert sum(report["split_sizes"].values()) == len(QUESTIONS)
+    assert new != shipped and report["reviews"]["uniform"] == len(traffic)
+    assert sum(report["split_sizes"].values()) == len(traffic)
     assert (mine / "report" / "report.html").is_file()
 
     # Step 6: hot reload, then every reply names the new calibrator.
