@@ -14,6 +14,12 @@ feature the calibrator uses), a window of live values with a reference sample:
 The reference is the calibrator artifact's ``evaluation_data`` (scores of its held-out test
 items: the same population as its fit split, which the artifact does not store) or a JSONL of
 score records. Lower layer: numpy only, no torch, nothing above calibration.
+
+PSI levels say *that* the scores moved, not *how*: one slice of the calibration mix (only ARC
+questions) moves them as far as a task the calibrator never saw. When the reference knows each
+item's group (``evaluation_data`` has ``dataset``), the monitor also classifies the window as
+``ok`` / ``slice:<group>`` / ``unseen`` (:mod:`guarduq.calibration.drift_groups`), with thresholds
+set for a 5% false-alarm rate on in-distribution windows.
 """
 
 from __future__ import annotations
@@ -23,13 +29,20 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from guarduq._logging import get_logger
+from guarduq.calibration.drift_groups import (
+    FALSE_ALARM,
+    Case,
+    CaseClassifier,
+    GroupReference,
+    group_reference_from_artifact,
+)
 from guarduq.calibration.features import FEATURE_SETS, FEATURES, as_score_dict
 from guarduq.errors import CalibrationError
 
@@ -140,10 +153,12 @@ def reference_quantiles(
 
 @dataclass(frozen=True)
 class Reference:
-    """Per-feature reference samples and where they came from."""
+    """Per-feature reference samples and where they came from; ``grouped``, when the source knows
+    each item's calibration group, feeds the ok/slice/unseen classifier."""
 
     values: dict[str, np.ndarray]
     source: str
+    grouped: GroupReference | None = field(default=None, compare=False)
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -164,10 +179,11 @@ def reference_from_artifact(artifact: Mapping[str, Any], source: str = "calibrat
     """
     wanted = drift_features(artifact.get("features") or ())
     stored = artifact.get("reference") or {}
+    grouped = _grouped(artifact, wanted, source)
     if all(len(stored.get(f) or ()) >= 2 for f in wanted):
         n = artifact.get("n_fit", "?")
         return Reference({f: np.asarray(stored[f], dtype=float) for f in wanted},
-                         f"{source} fit split (n={n}, quantiles)")
+                         f"{source} fit split (n={n}, quantiles)", grouped)
     data = artifact.get("evaluation_data")
     if not data:
         raise CalibrationError(
@@ -185,7 +201,16 @@ def reference_from_artifact(artifact: Mapping[str, Any], source: str = "calibrat
                 f"(it stores {sorted(keys)}); pass --reference scores.jsonl"
             )
         values[f] = np.asarray(v)
-    return Reference(values, f"{source} evaluation_data (n={n})")
+    return Reference(values, f"{source} evaluation_data (n={n})", grouped)
+
+
+def _grouped(artifact: Mapping[str, Any], features: Sequence[str], source: str) -> GroupReference | None:
+    """The per-group reference, or None (an old artifact without ``dataset``: PSI levels only)."""
+    try:
+        return group_reference_from_artifact(artifact, features, source)
+    except CalibrationError as exc:
+        log.info("drift_cases_unavailable", reason=str(exc))
+        return None
 
 
 def load_reference(
@@ -271,7 +296,8 @@ class DriftMonitor:
     """
 
     def __init__(self, reference: Reference, *, window: int = 500, min_n: int = 50,
-                 bins: int = DEFAULT_BINS, watch: float = PSI_WATCH, alarm: float = PSI_ALARM) -> None:
+                 bins: int = DEFAULT_BINS, watch: float = PSI_WATCH, alarm: float = PSI_ALARM,
+                 false_alarm: float = FALSE_ALARM, case_every: int = 10) -> None:
         if window < 2 or not 2 <= min_n <= window:
             raise CalibrationError(f"need 2 <= min_n <= window, got min_n={min_n}, window={window}")
         if not 0 < watch < alarm:
@@ -284,6 +310,12 @@ class DriftMonitor:
             f: FeatureDrift(f, math.nan, math.nan, 0, "ok") for f in reference.values
         }
         self._lock = threading.Lock()
+        # The case needs each item's features together (whole items in one window).
+        self.cases = (CaseClassifier(reference.grouped, window=window, false_alarm=false_alarm)
+                      if reference.grouped is not None else None)
+        self._case_window: deque[dict[str, float]] = deque(maxlen=window)
+        self._case: Case | None = None
+        self._case_every, self._since_case = max(1, case_every), 0
 
     def observe(self, scores: Mapping[str, Any]) -> list[FeatureDrift]:
         """Add one response's scores; returns the features whose level changed."""
@@ -299,6 +331,13 @@ class DriftMonitor:
                 self._state[f] = new
                 if new.level != old.level:
                     changed.append(new)
+            case_change = self._observe_case(scores)
+        if case_change is not None:
+            old_label, c = case_change
+            emit = log.warning if c.case != "ok" else log.info
+            emit("drift_case_changed", case=c.label, was=old_label, nearest_group=c.nearest,
+                 mix_distance=round(c.mix_distance, 3), mix_threshold=round(c.mix_threshold, 3), n=c.n,
+                 reference=self.reference.source)
         for d in changed:
             emit = log.warning if LEVELS.index(d.level) > 0 else log.info
             emit("drift_level_changed", feature=d.feature, level=d.level, psi=round(d.psi, 4),
@@ -316,6 +355,36 @@ class DriftMonitor:
     def snapshot(self) -> list[FeatureDrift]:
         with self._lock:
             return list(self._state.values())
+
+    def case(self) -> Case | None:
+        """The window's last classification (None: no grouped reference, or fewer than min_n)."""
+        with self._lock:
+            return self._case
+
+    def _observe_case(self, scores: Mapping[str, Any]) -> tuple[str | None, Case] | None:
+        """Add the item to the case window; reclassify every ``case_every`` items (a few ms);
+        returns (old label, new case) when the label changed. Call with the lock held."""
+        if self.cases is None:
+            return None
+        item = {}
+        for f in self.cases.features:
+            v = feature_values([scores], f)
+            if v:
+                item[f] = v[0]
+        if not item:
+            return None
+        self._case_window.append(item)
+        self._since_case += 1
+        n = len(self._case_window)
+        if n < self.min_n or (self._since_case < self._case_every and self._case is not None):
+            return None
+        self._since_case = 0
+        window = {f: [it[f] for it in self._case_window if f in it] for f in self.cases.features}
+        new, old = self.cases.classify(window), self._case
+        self._case = new
+        if old is None or old.label != new.label:
+            return (old.label if old is not None else None, new)
+        return None
 
 
 def _finite(values: Sequence[float]) -> np.ndarray:

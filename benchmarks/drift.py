@@ -1,0 +1,467 @@
+"""Does the drift alarm predict trouble, and does it say which kind? (issue item 7)
+
+Windows of live scores are drawn from three kinds of source and classified by
+:class:`guarduq.calibration.drift_groups.CaseClassifier` (ok / slice:<dataset> / unseen), and on
+each window the shipped calibrator's risk is checked: its AUROC for wrong answers and whether the
+alpha = 0.7 guarantee (error rate among accepted answers <= 0.7) holds there.
+
+* **mix** (false alarms): fresh items of the calibration datasets, drawn in the reference's
+  dataset proportions; TruthfulQA has no item outside calibration (all 817 were used), so half
+  of the artifact's held-out TruthfulQA items (by id hash) are taken out of the reference and
+  serve as its fresh items;
+* **one in-mix dataset** (should read ``slice:<dataset>``): fresh items of one of them;
+* **left out** (should read ``unseen``): SST-2 sentiment as a two-option question.
+
+Fresh items are scored by ``benchmarks/drift_score.py`` (the real model) into
+``runs/cache/drift/``; this script loads no model:
+
+    python benchmarks/drift.py            # writes docs/results/drift.md + drift.png
+    python benchmarks/drift.py --quick    # synthetic data, seconds (tests/unit/test_drift_bench.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pages import write_page  # noqa: E402
+
+from guarduq.calibration.datasets import hash_unit  # noqa: E402
+from guarduq.calibration.drift import DEFAULT_BINS, psi  # noqa: E402
+from guarduq.calibration.drift_groups import CaseClassifier, GroupReference, group_reference  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACT = ROOT / "policies" / "calibrators" / "smollm2-135m-instruct.json"
+CACHES = ROOT / "runs" / "cache" / "drift" / "smollm2-135m-instruct"
+ALPHA = 0.7
+FEATURES = ("log_epistemic", "aleatoric", "mean_logprob")  # those evaluation_data lets us compute
+LEFT_OUT = ("sst2",)
+HELD_ASIDE = ("truthfulqa-mc", "truthfulqa-gen")  # no fresh items exist: half leave the reference
+
+
+@dataclass
+class Pool:
+    """Scored items of one source: features (items x FEATURES), risk, wrong (1 = wrong answer)."""
+
+    name: str
+    x: np.ndarray
+    risk: np.ndarray
+    wrong: np.ndarray
+    dataset: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    def take(self, idx: np.ndarray) -> Pool:
+        return Pool(self.name, self.x[idx], self.risk[idx], self.wrong[idx], self.dataset[idx])
+
+
+def concat(name: str, pools: list[Pool]) -> Pool:
+    return Pool(name, np.concatenate([p.x for p in pools]), np.concatenate([p.risk for p in pools]),
+                np.concatenate([p.wrong for p in pools]), np.concatenate([p.dataset for p in pools]))
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _features(rec: dict[str, Any]) -> list[float]:
+    from guarduq.calibration.features import FEATURES as F
+
+    out = []
+    for f in FEATURES:
+        try:
+            out.append(float(F[f](rec)))
+        except (KeyError, TypeError, ValueError):
+            out.append(math.nan)
+    return out
+
+
+def real_data() -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
+    """The artifact's held-out items as the reference (less half of TruthfulQA), and the fresh pools."""
+    from guarduq.calibration.calibrator import Calibrator
+    from guarduq.calibration.evaluation import ScoreCache
+
+    art = json.loads(ARTIFACT.read_text())
+    cal = Calibrator.load(ARTIFACT)
+    threshold = cal.threshold_for(ALPHA)
+    ed = art["evaluation_data"]
+    n = len(ed["dataset"])
+    recs = [{k: ed[k][i] for k in ed if isinstance(ed[k], list)} for i in range(n)]
+    # evaluation_data keeps no ids; its order is fixed, so the item's index decides the hold-aside
+    aside = [r["dataset"] in HELD_ASIDE and hash_unit(f"{r['dataset']}:{i}", "drift-aside") < 0.5
+             for i, r in enumerate(recs)]
+    ref = group_reference([r for r, a in zip(recs, aside, strict=True) if not a], FEATURES,
+                          f"{ARTIFACT.name} evaluation_data less half of TruthfulQA")
+    pools: dict[str, Pool] = {}
+    for ds in HELD_ASIDE:
+        rows = [r for r, a in zip(recs, aside, strict=True) if a and r["dataset"] == ds]
+        pools[ds] = Pool(ds, np.array([_features(r) for r in rows]), np.array([r["risk"] for r in rows]),
+                         np.array([1 - r["label"] for r in rows]), np.array([ds] * len(rows)))
+    for path in sorted(glob.glob(str(CACHES / "*.jsonl"))):
+        items = [r for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+        if not items:
+            continue
+        ds = items[0].dataset
+        scores = [r.scores for r in items]
+        pools[ds] = Pool(ds, np.array([_features(s) for s in scores]), cal.predict_risk(scores),
+                         np.array([1 - r.label for r in items]), np.array([ds] * len(items)))
+    info = {"reference": ref.source, "threshold": threshold, "artifact": ARTIFACT.name,
+            "fingerprint": art["model"]["fingerprint"],
+            "shipped": group_reference(recs, FEATURES, f"{ARTIFACT.name} evaluation_data (all {n})")}
+    return ref, pools, float(threshold), info
+
+
+def quick_data(seed: int = 0) -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
+    """Synthetic: four Gaussian groups, fresh pools like them, and a shifted left-out one whose
+    risk ranks wrong answers backwards (so it degrades)."""
+    rng = np.random.default_rng(seed)
+    centres = {"a": (0, 0, 0), "b": (2, 0, -1), "c": (0, 2, 1), "d": (-2, -1, 0)}
+
+    def draw(name: str, centre: tuple[float, ...], n: int, flip: bool = False) -> Pool:
+        x = rng.normal(centre, 0.7, size=(n, 3))
+        risk = 1 / (1 + np.exp(-(x[:, 0] - np.mean(centre[:1]))))
+        p_wrong = 1 - risk if flip else risk
+        wrong = (rng.random(n) < p_wrong).astype(float)
+        return Pool(name, x, risk, wrong, np.array([name] * n))
+
+    recs = []
+    for g, c in centres.items():
+        p = draw(g, c, 200)
+        recs += [{"dataset": g, **dict(zip(("epistemic", "aleatoric", "mean_logprob"),
+                                           (math.exp(r[0]), r[1], r[2]), strict=True))} for r in p.x]
+    ref = group_reference(recs, FEATURES, "synthetic")
+    pools = {g: draw(g, c, 120) for g, c in centres.items()}
+    pools["left-out"] = draw("left-out", (4, 3, 3), 200, flip=True)
+    return ref, pools, 0.5, {"reference": "synthetic", "threshold": 0.5, "shipped": ref}
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def auroc(wrong: np.ndarray, risk: np.ndarray) -> float:
+    """AUROC of risk for wrong answers (ties count half); NaN with one class."""
+    pos, neg = risk[wrong == 1], risk[wrong == 0]
+    if pos.size == 0 or neg.size == 0:
+        return math.nan
+    allv = np.concatenate([pos, neg])
+    order = allv.argsort(kind="mergesort")
+    ranks = np.empty(allv.size)
+    sorted_v = allv[order]
+    # average ranks for ties
+    _, inv, counts = np.unique(sorted_v, return_inverse=True, return_counts=True)
+    cum = np.cumsum(counts)
+    avg = cum - (counts - 1) / 2
+    ranks[order] = avg[inv]
+    return float((ranks[: pos.size].sum() - pos.size * (pos.size + 1) / 2) / (pos.size * neg.size))
+
+
+def guarantee(p: Pool, threshold: float) -> tuple[float, float, bool]:
+    """(coverage, error rate among accepted, held): accepted when risk <= threshold.
+
+    Held unless the error rate among accepted is above alpha beyond a window's sampling noise
+    (the 95% Wilson lower bound above alpha): the certificate bounds the population's rate, and
+    on the calibration split it sat at 0.676 (bound 0.6995), so half of all windows of a healthy
+    mix show a raw rate above 0.7 by chance alone.
+    """
+    acc = p.risk <= threshold
+    if not acc.any():
+        return 0.0, math.nan, True  # nothing answered: no wrong answer given
+    k, n = int(p.wrong[acc].sum()), int(acc.sum())
+    return float(acc.mean()), k / n, wilson(k, n)[0] <= ALPHA
+
+
+def mix_pool(ref: GroupReference, pools: dict[str, Pool]) -> tuple[Pool, np.ndarray]:
+    """Fresh in-distribution items in the reference's proportions: each source item weighted by
+    the share of its dataset in the reference over its share in the pools."""
+    share = Counter(ref.group.tolist())
+    parts = [pools[g] for g in ref.groups if g in pools]
+    return concat("mix", parts), np.concatenate([np.full(pools[g].n, share[g] / pools[g].n) for g in ref.groups
+                                                if g in pools])
+
+
+def windows(pool: Pool, size: int, count: int, rng: np.random.Generator, replace: bool,
+            weights: np.ndarray | None = None) -> list[Pool]:
+    """``count`` windows of ``size`` items (with or without replacement, by weight)."""
+    p = None if weights is None else weights / weights.sum()
+    out = []
+    for _ in range(count):
+        idx = rng.choice(pool.n, size=size, replace=replace or size > pool.n, p=p)
+        out.append(pool.take(idx))
+    return out
+
+
+def psi_max(ref: GroupReference, w: Pool) -> float:
+    mix = ref.sample()
+    return max(psi(mix[f], w.x[:, j], DEFAULT_BINS) for j, f in enumerate(FEATURES))
+
+
+def run(ref: GroupReference, pools: dict[str, Pool], threshold: float, *, size: int, count: int,
+        replace: bool, seed: int = 0) -> dict[str, Any]:
+    """Classify ``count`` windows per source; per window: case, nearest, AUROC, guarantee."""
+    rng = np.random.default_rng(seed)
+    clf = CaseClassifier(ref, window=size)
+    mix, weights = mix_pool(ref, pools)
+    sources: dict[str, tuple[Pool, np.ndarray | None, str]] = {"mix": (mix, weights, "ok")}
+    for name, p in pools.items():
+        if name in ref.groups:
+            sources[name] = (p, None, f"slice:{name}")
+        elif name not in HELD_ASIDE:
+            sources[name] = (p, None, "unseen")
+    rows = []
+    for name, (pool, w, expected) in tqdm(sources.items(), desc=f"windows of {size}", file=sys.stderr):
+        if not replace and size > pool.n:
+            continue
+        for win in windows(pool, size, count, rng, replace, w):
+            case = clf.classify({f: win.x[:, j] for j, f in enumerate(FEATURES)})
+            cov, err, held = guarantee(win, threshold)
+            a = auroc(win.wrong, win.risk)
+            rows.append({"source": name, "expected": expected, "label": case.label, "nearest": case.nearest,
+                         "mix_distance": case.mix_distance, "auroc": a, "coverage": cov, "error": err,
+                         "held": held, "psi_max": psi_max(ref, win)})
+    return {"size": size, "count": count, "replace": replace, "rows": rows,
+            "thresholds": clf.thresholds.to_dict(), "pool_n": {k: v[0].n for k, v in sources.items()}}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return math.nan, math.nan
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def summarize(res: dict[str, Any], auroc_floor: float) -> dict[str, Any]:
+    """Per source: case counts, correct rate; detection of degrading windows."""
+    by = defaultdict(list)
+    for r in res["rows"]:
+        by[r["source"]].append(r)
+    per = {}
+    for s, rs in by.items():
+        cases = Counter(r["label"] for r in rs)
+        ok = sum(r["label"] == r["expected"] for r in rs)
+        ok_case = sum(r["label"].split(":")[0] == r["expected"].split(":")[0] for r in rs)
+        alarm = sum(r["label"] != "ok" for r in rs)
+        au = np.array([r["auroc"] for r in rs])
+        per[s] = {"n": len(rs), "expected": rs[0]["expected"], "cases": dict(cases.most_common()),
+                  "correct": ok / len(rs), "correct_ci": wilson(ok, len(rs)), "case_correct": ok_case / len(rs), "alarm": alarm / len(rs),
+                  "alarm_ci": wilson(alarm, len(rs)), "auroc_median": float(np.nanmedian(au)) if np.isfinite(au).any() else math.nan,
+                  "held": float(np.mean([r["held"] for r in rs])),
+                  "psi_alarm": float(np.mean([r["psi_max"] >= 0.25 for r in rs]))}
+    deg = [r for r in res["rows"] if is_degraded(r, auroc_floor)]
+    fine = [r for r in res["rows"] if not is_degraded(r, auroc_floor)]
+    det = sum(r["label"] != "ok" for r in deg)
+    fa = sum(r["label"] != "ok" for r in fine)
+    unseen_deg = sum(r["label"] == "unseen" for r in deg)
+    by_case = {}
+    for c in ("ok", "slice", "unseen"):
+        rs = [r for r in res["rows"] if r["label"].split(":")[0] == c]
+        k = sum(is_degraded(r, auroc_floor) for r in rs)
+        au = [r["auroc"] for r in rs if math.isfinite(r["auroc"])]
+        by_case[c] = {"n": len(rs), "degraded": k, "degraded_ci": wilson(k, len(rs)),
+                      "guarantee_failed": sum(not r["held"] for r in rs),
+                      "auroc_below": sum(math.isfinite(r["auroc"]) and r["auroc"] < auroc_floor for r in rs),
+                      "auroc_median": float(np.median(au)) if au else math.nan,
+                      "sources": dict(Counter(r["source"] for r in rs).most_common())}
+    return {"by_case": by_case, "per_source": per, "degraded_n": len(deg), "detected": det, "detected_ci": wilson(det, len(deg)),
+            "unseen_of_degraded": unseen_deg, "fine_n": len(fine), "fine_alarm": fa,
+            "fine_alarm_ci": wilson(fa, len(fine))}
+
+
+def is_degraded(r: dict[str, Any], auroc_floor: float) -> bool:
+    """The window's risk is not to be trusted: the guarantee fails or AUROC is below the floor."""
+    return (not r["held"]) or (math.isfinite(r["auroc"]) and r["auroc"] < auroc_floor)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def pool_table(pools: dict[str, Pool], threshold: float, seed: int = 0) -> list[str]:
+    from guarduq.calibration.analysis import bootstrap_auroc
+
+    lines = ["| source | n | wrong | risk AUROC [95%] | coverage at α = 0.7 | error among accepted | guarantee |",
+             "|---|---|---|---|---|---|---|"]
+    for name, p in pools.items():
+        a, lo, hi = bootstrap_auroc(p.wrong, p.risk, n_boot=500, seed=seed)
+        cov, err, held = guarantee(p, threshold)
+        au = f"{a:.2f} [{lo:.2f}, {hi:.2f}]" if a is not None else "n/a"
+        lines.append(f"| {name} | {p.n} | {p.wrong.mean():.2f} | {au} | {cov:.2f} | "
+                     f"{'n/a' if math.isnan(err) else f'{err:.2f}'} | {'held' if held else 'FAILS'} |")
+    return lines
+
+
+def whole_pool_table(shipped: GroupReference, pools: dict[str, Pool]) -> list[str]:
+    """What ``guarduq drift`` says of each whole fresh pool against the shipped artifact's full
+    reference (every held-out item, TruthfulQA included; its own pools are then not fresh)."""
+    lines = ["| pool | n | case | mix distance / threshold | nearest group (distance / threshold) | max PSI (old level) |",
+             "|---|---|---|---|---|---|"]
+    for name, p in pools.items():
+        if name in HELD_ASIDE:
+            continue
+        clf = CaseClassifier(shipped, window=min(p.n, 1000))
+        c = clf.classify({f: p.x[:, j] for j, f in enumerate(FEATURES)})
+        near = c.nearest or "n/a"
+        ratio = c.group_distances.get(near, math.nan) / clf.thresholds.groups.get(near, math.nan)
+        pm = psi_max(shipped, p)
+        lines.append(f"| {name} | {p.n} | {c.label} | {c.mix_distance / c.mix_threshold:.1f} | {near} ({ratio:.1f}) | "
+                     f"{pm:.2f} ({'alarm' if pm >= 0.25 else 'watch' if pm >= 0.1 else 'ok'}) |")
+    return lines
+
+
+def window_table(s: dict[str, Any]) -> list[str]:
+    lines = ["| source | windows | should read | reads (count) | exactly right [95%] | right case | alarm (not ok) | "
+             "old PSI alarm | median AUROC | guarantee held |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, v in s["per_source"].items():
+        cases = ", ".join(f"{k} {c}" for k, c in v["cases"].items())
+        lo, hi = v["correct_ci"]
+        lines.append(f"| {name} | {v['n']} | {v['expected']} | {cases} | {v['correct']:.2f} [{lo:.2f}, {hi:.2f}] | {v['case_correct']:.2f} | "
+                     f"{v['alarm']:.2f} | {v['psi_alarm']:.2f} | {v['auroc_median']:.2f} | {v['held']:.2f} |")
+    return lines
+
+
+def _case_bars(ax: Any, res: dict[str, Any]) -> None:
+    """Stacked share of windows per case read, per source."""
+    by = defaultdict(list)
+    for r in res["rows"]:
+        by[r["source"]].append(r)
+    names = list(by)
+    kinds = {"ok": "#4c9a2a", "slice (right group)": "#3a78c2", "slice (other group)": "#9ab8e0", "unseen": "#c23b3b"}
+    bottoms = np.zeros(len(names))
+    for kind, color in kinds.items():
+        vals = []
+        for s in names:
+            rs = by[s]
+            if kind in ("ok", "unseen"):
+                k = sum(r["label"] == kind for r in rs)
+            elif kind == "slice (right group)":
+                k = sum(r["label"] == f"slice:{s}" for r in rs)
+            else:
+                k = sum(r["label"].startswith("slice:") and r["label"] != f"slice:{s}" for r in rs)
+            vals.append(k / len(rs))
+        ax.bar(names, vals, bottom=bottoms, color=color, label=kind)
+        bottoms += np.array(vals)
+    ax.set_ylabel("share of windows")
+    ax.set_title(f"case read, windows of {res['size']} {'with' if res['replace'] else 'without'} replacement",
+                 fontsize=10)
+    ax.tick_params(axis="x", rotation=40)
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = results[:2]
+    fig, axes = plt.subplots(1, len(bars) + 1, figsize=(6.2 * (len(bars) + 1), 4.6))
+    for ax, res in zip(axes, bars, strict=False):
+        _case_bars(ax, res)
+    axes[0].legend(fontsize=8, loc="lower left")
+    res = results[0]
+    ax = axes[-1]
+    for i, s in enumerate(dict.fromkeys(r["source"] for r in res["rows"])):
+        rs = [r for r in res["rows"] if r["source"] == s]
+        ax.scatter([r["mix_distance"] for r in rs], [r["auroc"] for r in rs], s=8, alpha=0.5,
+                   label=s, color=plt.cm.tab10(i % 10))
+    ax.axvline(res["thresholds"]["mix"], color="k", ls="--", lw=1, label="mix threshold")
+    ax.axhline(0.5, color="grey", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("distance to the calibration mix (max scaled KS)")
+    ax.set_ylabel(f"risk AUROC on the window (windows of {res['size']})")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, results: list[dict[str, Any]],
+           summaries: list[dict[str, Any]], auroc_floor: float, png: str) -> str:
+    lines = [f"Reference: {info['reference']}; fresh items from `runs/cache/drift/` (model fingerprint "
+             f"{info.get('fingerprint', 'n/a')}); α = {ALPHA} threshold risk ≤ {threshold:.3f}. "
+             f"A window is **degraded** when the α guarantee clearly fails on it (the 95% Wilson lower "
+             f"bound of its error rate among accepted answers is above {ALPHA}) or its risk AUROC is below {auroc_floor}.", "",
+             "### Pools (every fresh item of a source, once)", "", *pool_table(pools, threshold), "",
+             "### What `guarduq drift` says of each whole pool (shipped reference, all held-out items)", "",
+             *whole_pool_table(info["shipped"], pools), ""]
+    for res, s in zip(results, summaries, strict=True):
+        t = res["thresholds"]
+        how = "with replacement (pools are smaller than the window)" if res["replace"] else "without replacement"
+        fa = s["per_source"].get("mix", {})
+        if not fa:
+            continue
+        lines += [f"### Windows of {res['size']}, drawn {how}, {res['count']} per source", "",
+                  f"Thresholds (5% false-alarm bootstrap, {t['draws']} draws): mix {t['mix']:.2f}; groups "
+                  + ", ".join(f"{g} {v:.2f}" for g, v in t["groups"].items()) + ".", "",
+                  *window_table(s), "",
+                  f"* False alarms (mix windows not read `ok`): {fa.get('alarm', math.nan):.3f} "
+                  f"[{fa.get('alarm_ci', (math.nan, math.nan))[0]:.3f}, {fa.get('alarm_ci', (math.nan, math.nan))[1]:.3f}] "
+                  f"of {fa.get('n', 0)} windows.",
+                  f"* Degraded windows: {s['degraded_n']}; alarmed (not `ok`): {s['detected']} "
+                  f"({s['detected'] / max(s['degraded_n'], 1):.2f} [{s['detected_ci'][0]:.2f}, {s['detected_ci'][1]:.2f}]); "
+                  f"read `unseen`: {s['unseen_of_degraded']}. Windows not degraded: {s['fine_n']}, "
+                  f"of which alarmed {s['fine_alarm']}.", "",
+                  "Trouble by the case read (does the case predict a degraded window?):", "",
+                  "| case read | windows | degraded [95%] | guarantee failed | AUROC < floor | median AUROC | from |",
+                  "|---|---|---|---|---|---|---|",
+                  *[f"| {c} | {v['n']} | "
+                    + (f"{v['degraded'] / v['n']:.2f} [{v['degraded_ci'][0]:.2f}, {v['degraded_ci'][1]:.2f}]" if v["n"] else "n/a")
+                    + f" | {v['guarantee_failed']} | {v['auroc_below']} | {v['auroc_median']:.2f} | "
+                    + ", ".join(f"{k} {n}" for k, n in v["sources"].items()) + " |"
+                    for c, v in s["by_case"].items()], ""]
+    lines += [f"![cases per source and AUROC against distance]({png})"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="synthetic data, no caches needed")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "results")
+    p.add_argument("--size", type=int, default=500)
+    p.add_argument("--small", type=int, default=100, help="window drawn without replacement")
+    p.add_argument("--count", type=int, default=200)
+    p.add_argument("--auroc-floor", type=float, default=0.5)
+    args = p.parse_args(argv)
+    if args.quick:
+        ref, pools, threshold, info = quick_data()
+        args.count = min(args.count, 40)
+        args.size, args.small = min(args.size, 200), min(args.small, 60)
+    else:
+        ref, pools, threshold, info = real_data()
+    results = [run(ref, pools, threshold, size=args.size, count=args.count, replace=True),
+               run(ref, pools, threshold, size=args.small, count=args.count, replace=False, seed=1),
+               run(ref, pools, threshold, size=args.size, count=args.count, replace=False, seed=2)]
+    results = [r for r in results if r["rows"]]  # without replacement: only pools of >= size items
+    summaries = [summarize(r, args.auroc_floor) for r in results]
+    name = "drift_quick" if args.quick else "drift"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot(results, args.out_dir / f"{name}.png")
+    body = report(info, pools, threshold, results, summaries, args.auroc_floor, f"{name}.png")
+    write_page(args.out_dir / f"{name}.md", body, "Drift that predicts trouble: ok, slice or unseen")
+    (args.out_dir / f"{name}.json").write_text(json.dumps(
+        {"info": {k: v for k, v in info.items() if k != "shipped"}, "summaries": summaries,
+         "thresholds": [r["thresholds"] for r in results]}, indent=1, default=float))
+    for s, r in zip(summaries, results, strict=True):
+        print(f"windows of {r['size']} ({'with' if r['replace'] else 'without'} replacement):")
+        for src, v in s["per_source"].items():
+            print(f"  {src:<16} {v['expected']:<22} correct {v['correct']:.2f} alarm {v['alarm']:.2f} "
+                  f"cases {v['cases']}")
+    print(f"wrote {args.out_dir / name}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

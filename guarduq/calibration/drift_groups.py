@@ -1,0 +1,259 @@
+"""Which drift is it? A window of live scores against the calibration mix *and* each of its groups.
+
+A PSI alarm alone cannot tell "the traffic is one slice of what the calibrator was fitted on"
+(e.g. only ARC questions: the calibrator saw them, its risk is still meaningful) from "the
+traffic is something it never saw" (its risk may rank wrong answers below chance). Both move
+the scores far from the *mix*. What separates them is whether the window is close to one
+calibration *group* (the artifact's ``evaluation_data`` has a ``dataset`` column). So a window is
+classified as
+
+* ``ok``: close to the mix;
+* ``slice``: far from the mix, close to at least one group (the nearest is named);
+* ``unseen``: far from the mix and from every group.
+
+**The statistic.** Per watched feature, the two-sample KS statistic ``D`` scaled by
+``sqrt(n m / (n + m))`` (``n`` window values, ``m`` reference values), then the maximum over the
+features. Scaled so, KS has a null distribution that hardly depends on ``n`` and ``m`` (the
+Kolmogorov limit), so one threshold per reference serves a window that is still filling as well
+as a full one; the maximum over features makes "close" mean close in every feature.
+
+**The thresholds** (:func:`calibrate`): for each reference (the mix, each group), ``draws``
+times draw a window of ``window`` values and an independent reference of ``m`` values, both with
+replacement from that reference's items (the two-sample bootstrap null: two samples of one
+distribution, as a fresh in-distribution window is against the stored sample), and take the
+``1 - false_alarm`` quantile of the statistic. Whole items are drawn, so the features' correlation
+is kept. By construction about ``false_alarm`` of in-distribution windows leave ``ok``; measured
+on fresh items in ``docs/results/drift.md``.
+
+Lower layer: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from guarduq.calibration.features import FEATURES
+from guarduq.errors import CalibrationError
+
+CASES = ("ok", "slice", "unseen")
+FALSE_ALARM = 0.05
+DRAWS = 400
+MIN_GROUP = 30  # a group with fewer scored items is too small a reference to call a window close to
+GROUP_KEY = "dataset"
+
+
+def scaled_ks(ref_sorted: np.ndarray, live: np.ndarray) -> float:
+    """``sqrt(n m / (n + m)) * sup |F_ref - F_live|`` (``ref_sorted`` sorted, NaN-free)."""
+    b = np.sort(live[np.isfinite(live)])
+    m, n = ref_sorted.size, b.size
+    if m == 0 or n == 0:
+        return math.nan
+    x = np.concatenate([ref_sorted, b])
+    d = np.max(np.abs(np.searchsorted(ref_sorted, x, side="right") / m - np.searchsorted(b, x, side="right") / n))
+    return float(d * math.sqrt(n * m / (n + m)))
+
+
+def distance(ref: Mapping[str, np.ndarray], window: Mapping[str, Sequence[float]]) -> float:
+    """The case statistic: the largest scaled KS over the features both sides have (NaN if none).
+    ``ref`` values must be sorted (``GroupReference`` keeps them so)."""
+    ds = [scaled_ks(ref[f], np.asarray(window[f], dtype=float)) for f in ref if f in window and len(window[f])]
+    ds = [d for d in ds if math.isfinite(d)]
+    return max(ds) if ds else math.nan
+
+
+@dataclass(frozen=True)
+class GroupReference:
+    """Item-level reference scores: every item's features (rows aligned), and its group."""
+
+    features: tuple[str, ...]
+    matrix: np.ndarray  # (items, features); NaN where an item lacks a feature
+    group: np.ndarray  # (items,) group name per item
+    source: str
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        names, counts = np.unique(self.group, return_counts=True)
+        return tuple(str(g) for g, c in zip(names, counts, strict=True) if c >= MIN_GROUP)
+
+    def sample(self, group: str | None = None) -> dict[str, np.ndarray]:
+        """Sorted finite values per feature of the mix (``None``) or of one group."""
+        rows = self.matrix if group is None else self.matrix[self.group == group]
+        out = {}
+        for j, f in enumerate(self.features):
+            v = rows[:, j]
+            out[f] = np.sort(v[np.isfinite(v)])
+        return out
+
+    @property
+    def n(self) -> int:
+        return int(self.matrix.shape[0])
+
+
+def group_reference(records: Sequence[Mapping[str, Any]], features: Sequence[str], source: str,
+                    group_key: str = GROUP_KEY) -> GroupReference:
+    """From score records that carry their group (``dataset``). Raises ``CalibrationError`` when no
+    feature has values or fewer than two groups have ``MIN_GROUP`` items (nothing to tell apart)."""
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:
+        raise CalibrationError(f"unknown features {unknown}")
+    rows, groups = [], []
+    for rec in records:
+        g = rec.get(group_key)
+        if g is None or not rec.get("valid", True):
+            continue
+        rows.append([_feature(rec, f) for f in features])
+        groups.append(str(g))
+    matrix = np.asarray(rows, dtype=float).reshape(len(rows), len(features))
+    keep = [j for j in range(len(features)) if np.isfinite(matrix[:, j]).sum() >= 2]
+    if not keep:
+        raise CalibrationError(f"{source}: no usable values for {list(features)}")
+    ref = GroupReference(tuple(features[j] for j in keep), matrix[:, keep], np.asarray(groups), source)
+    if len(ref.groups) < 2:
+        raise CalibrationError(f"{source}: fewer than 2 groups with >= {MIN_GROUP} items")
+    return ref
+
+
+def group_reference_from_artifact(artifact: Mapping[str, Any], features: Sequence[str],
+                                  source: str = "calibrator") -> GroupReference:
+    """The artifact's ``evaluation_data`` (held-out items with their ``dataset``), restricted to the
+    watched features it can compute (it stores ``epistemic``, ``aleatoric``, ``mean_logprob``...)."""
+    data = artifact.get("evaluation_data") or {}
+    if not isinstance(data.get(GROUP_KEY), list):
+        raise CalibrationError(f"{source}: evaluation_data has no '{GROUP_KEY}' column")
+    keys = [k for k, v in data.items() if isinstance(v, list)]
+    n = len(data[GROUP_KEY])
+    records = [{k: data[k][i] for k in keys if i < len(data[k])} for i in range(n)]
+    usable = [f for f in features if any(math.isfinite(_feature(r, f)) for r in records[:50])]
+    return group_reference(records, usable, f"{source} evaluation_data (n={n})")
+
+
+@dataclass(frozen=True)
+class CaseThresholds:
+    """Per-reference thresholds on :func:`distance` (see the module doc for how they are set)."""
+
+    mix: float
+    groups: dict[str, float]
+    false_alarm: float
+    window: int
+    draws: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mix": self.mix, "groups": dict(self.groups), "false_alarm": self.false_alarm,
+                "window": self.window, "draws": self.draws}
+
+
+def null_distances(ref: GroupReference, group: str | None, window: int, draws: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """The statistic between two independent bootstrap samples (``window`` and ``m`` items) of
+    one reference: its distribution for a window drawn from that reference's distribution."""
+    rows = ref.matrix if group is None else ref.matrix[ref.group == group]
+    m = rows.shape[0]
+    out = np.empty(draws)
+    for b in range(draws):
+        r = rows[rng.integers(0, m, m)]
+        w = rows[rng.integers(0, m, window)]
+        out[b] = distance({f: np.sort(r[:, j][np.isfinite(r[:, j])]) for j, f in enumerate(ref.features)},
+                          {f: w[:, j] for j, f in enumerate(ref.features)})
+    return out
+
+
+def calibrate(ref: GroupReference, *, window: int = 500, false_alarm: float = FALSE_ALARM,
+              draws: int = DRAWS, seed: int = 0) -> CaseThresholds:
+    """Thresholds so that about ``false_alarm`` of in-distribution windows of ``window`` items
+    exceed each reference's; a second of numpy for a 2,000-item reference."""
+    if not 0 < false_alarm < 1 or window < 2 or draws < 20:
+        raise CalibrationError(f"need 0 < false_alarm < 1, window >= 2, draws >= 20; got "
+                               f"{false_alarm}, {window}, {draws}")
+    rng = np.random.default_rng(seed)
+    q = 1 - false_alarm
+    mix = float(np.nanquantile(null_distances(ref, None, window, draws, rng), q))
+    groups = {g: float(np.nanquantile(null_distances(ref, g, window, draws, rng), q)) for g in ref.groups}
+    return CaseThresholds(mix, groups, false_alarm, window, draws)
+
+
+@dataclass(frozen=True)
+class Case:
+    """The classification of one window; ``nearest`` is the group with the smallest
+    distance/threshold ratio (named even when the case is ``ok`` or ``unseen``)."""
+
+    case: str
+    nearest: str | None
+    mix_distance: float
+    mix_threshold: float
+    group_distances: dict[str, float]
+    n: int
+    group_thresholds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``ok``, ``slice:<group>`` or ``unseen``: one string for logs and dashboards."""
+        return f"slice:{self.nearest}" if self.case == "slice" else self.case
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "label": self.label, "nearest_group": self.nearest,
+                "mix_distance": _r(self.mix_distance), "mix_threshold": _r(self.mix_threshold),
+                "group_distances": {g: _r(d) for g, d in self.group_distances.items()},
+                "group_thresholds": {g: _r(d) for g, d in self.group_thresholds.items()}, "n": self.n}
+
+
+class CaseClassifier:
+    """``ok`` / ``slice`` / ``unseen`` for windows of feature values (thresholds computed at
+    construction unless given: they belong to the reference, not to the traffic)."""
+
+    def __init__(self, ref: GroupReference, thresholds: CaseThresholds | None = None, *,
+                 window: int = 500, false_alarm: float = FALSE_ALARM, draws: int = DRAWS, seed: int = 0) -> None:
+        self.reference = ref
+        self.thresholds = thresholds or calibrate(ref, window=window, false_alarm=false_alarm, draws=draws, seed=seed)
+        self._mix = ref.sample()
+        self._groups = {g: ref.sample(g) for g in self.thresholds.groups}
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return self.reference.features
+
+    def classify(self, window: Mapping[str, Sequence[float]]) -> Case:
+        """The case of one window (feature -> values); fewer than 2 values reads ``ok``."""
+        n = min((len(window.get(f, ())) for f in self.features), default=0)
+        t = self.thresholds
+        if n < 2:
+            return Case("ok", None, math.nan, t.mix, {}, n, dict(t.groups))
+        dm = distance(self._mix, window)
+        dg = {g: distance(s, window) for g, s in self._groups.items()}
+        ratio = {g: d / t.groups[g] for g, d in dg.items() if math.isfinite(d)}
+        nearest = min(ratio, key=ratio.__getitem__) if ratio else None
+        if not math.isfinite(dm) or dm <= t.mix:
+            case = "ok"
+        elif nearest is not None and ratio[nearest] <= 1:
+            case = "slice"
+        else:
+            case = "unseen"
+        return Case(case, nearest, dm, t.mix, dg, n, dict(t.groups))
+
+    def classify_records(self, records: Sequence[Mapping[str, Any]]) -> Case:
+        """The case of a batch of score records (the offline check)."""
+        vals: dict[str, list[float]] = {f: [] for f in self.features}
+        for rec in records:
+            if not rec.get("valid", True):
+                continue
+            for f in self.features:
+                v = _feature(rec, f)
+                if math.isfinite(v):
+                    vals[f].append(v)
+        return self.classify(vals)
+
+
+def _feature(rec: Mapping[str, Any], f: str) -> float:
+    try:
+        v = float(FEATURES[f](rec))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return math.nan
+    return v if math.isfinite(v) else math.nan
+
+
+def _r(x: float) -> float | None:
+    return round(x, 4) if math.isfinite(x) else None
