@@ -10,13 +10,18 @@ Text is kept only where the policy opts in: ``audit.log_text`` keeps every reply
 audit log does), ``review.keep_text`` only the sampled replies'. A reply whose text is not kept
 is still recorded (its scores feed drift and counts) but cannot be labelled for calibration.
 
-The audit log stays the durable record of every call; a store that fails to write is logged and
-counted, never fails the reply (``errors_`` counts them).
+The audit log stays the durable record of every call; the store is written by a background
+thread, so a slow, failing or unreachable database never holds a reply up or fails it (failed and
+dropped writes are logged and counted).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,86 +31,136 @@ from guarduq._logging import get_logger
 
 if TYPE_CHECKING:  # the store extra (SQLAlchemy) is only needed when a store is configured
     from guarduq.store import ReviewSampler, Store
-    from guarduq.store.records import Sample
+    from guarduq.store.records import ReplyRecord, Sample
 
 log = get_logger("traffic")
 
 
-@dataclass
-class Traffic:
-    """A store plus the sampler and text settings of the policy in force."""
+MAX_PENDING = 10_000  # replies waiting for the writer; past this they are dropped and counted
 
-    store: Store
-    sampler: ReviewSampler | None  # None: nothing is sampled for review
-    keep_text: bool = False  # the policy's review.keep_text: sampled replies keep their text
-    log_text: bool = False  # the policy's audit.log_text: every reply keeps its text
-    errors_: int = 0
-    _policy: Any = None  # the policy the settings were taken from
+
+@dataclass(frozen=True)
+class _Settings:
+    """The policy's review settings, swapped as one object (a reader never mixes two policies)."""
+
+    policy: Any = None
+    sampler: ReviewSampler | None = None  # None: nothing is sampled for review
+    keep_text: bool = False  # review.keep_text: sampled replies keep their text
+    log_text: bool = False  # audit.log_text: every reply keeps its text
+
+
+class Traffic:
+    """A store, the review settings of the policy in force, and one writer thread.
+
+    ``record`` decides on the caller's thread (the sample draw, what text is kept) and hands the
+    write to the writer, so a slow or unreachable database never holds a reply up: past
+    ``max_pending`` waiting writes, new ones are dropped and counted (``dropped_``), and a failed
+    write is logged and counted (``errors_``). The audit log, written before the reply returns,
+    stays the durable record; ``flush()`` waits for the writer (tests, shutdown).
+    """
+
+    def __init__(self, store: Store, policy: Any | None = None, *, max_pending: int = MAX_PENDING) -> None:
+        self.store = store
+        self.settings = _settings(policy)
+        self.written_ = self.errors_ = self.dropped_ = 0
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=max_pending)
+        self._writer = threading.Thread(target=self._write_loop, name="guarduq-store-writer", daemon=True)
+        self._writer.start()
+        atexit.register(self.flush, 5.0)
 
     @classmethod
     def open(cls, store: Store | str | os.PathLike[str], policy: Any | None = None) -> Traffic:
         """A store (object or URL) with the sampling and text settings of ``policy``."""
         from guarduq.store import Store
 
-        if not isinstance(store, Store):
-            store = Store(str(store))
-        t = cls(store=store, sampler=None)
-        t.configure(policy)
-        return t
-
-    def configure(self, policy: Any | None) -> None:
-        """Take the sampling and text settings of ``policy`` (after a reload, the new one's)."""
-        from guarduq.store import ReviewSampler
-
-        self._policy = policy
-        review = getattr(getattr(policy, "config", None), "review", None)
-        self.sampler = ReviewSampler.from_settings(review) if review is not None else None
-        self.keep_text = bool(review is not None and review.keep_text)
-        self.log_text = bool(policy is not None and policy.log_text)
+        return cls(store if isinstance(store, Store) else Store(str(store)), policy)
 
     def record(self, r: Any, *, policy: Any | None, calibrator_sha256: str | None,
                tokens: Callable[[], list[str]]) -> Sample | None:
-        """Record the decided reply ``r`` (a ``GuardedResponse``); returns its review sample.
+        """Queue the decided reply ``r`` (a ``GuardedResponse``) for the store; returns its
+        review sample.
 
         ``tokens()`` gives the reply's token pieces, kept with the text for shading by
-        probability (called only when the text is kept).
+        probability (called on the writer thread, only when the text is kept).
         """
-        from guarduq.store.records import ReplyRecord
-
-        if policy is not self._policy:  # a reload swapped the policy: take its review settings
-            self.configure(policy)
+        s = self.settings
+        if policy is not s.policy:  # a reload swapped the policy: take its review settings
+            s = self.settings = _settings(policy)
         d = r.decision
         escalated = d is not None and d.action == "escalate"
-        sample = self.sampler.draw(r.risk, escalated) if self.sampler is not None else None
-        keep = self.log_text or (self.keep_text and sample is not None and sample.sampled)
-        ident = policy.identity() if policy is not None else None
-        reply = ReplyRecord(
-            request_id=r.request_id,
-            time=datetime.now(UTC),
-            model_fingerprint=r.model.fingerprint,
-            policy=f"{ident['name']}@{ident['version']}" if ident else None,
-            policy_sha256=ident["sha256"] if ident else None,
-            calibrator_sha256=calibrator_sha256,
-            parameter_set=r.scores.parameter_set,
-            scores=r.scores.to_dict(with_token_probs=False, with_grad_profile=False),
-            risk=r.risk,
-            action=d.action if d is not None else None,
-            rule=d.rule if d is not None else None,
-            shown=d.shown if d is not None else True,
-            escalated=escalated,
-            second_opinion=_second_opinion(d),
-            prompt=_prompt(r.prompt) if keep else None,
-            response=r.text if keep else None,
-            tokens=_pieces(tokens, r.request_id) if keep else None,
-            token_probs=[float(p) for p in r.scores.token_probs] if keep else None,
-            ended=r.ended,
-        )
+        sample = s.sampler.draw(r.risk, escalated) if s.sampler is not None else None
+        keep = s.log_text or (s.keep_text and sample is not None and sample.sampled)
         try:
-            self.store.record(reply, sample)
-        except Exception as exc:  # the reply was decided and audited: never fail it here
-            self.errors_ += 1
-            log.error("store_record_failed", request_id=r.request_id, error=f"{type(exc).__name__}: {exc}")
+            self._queue.put_nowait((r, policy, calibrator_sha256, tokens, sample, keep, escalated))
+        except queue.Full:
+            self.dropped_ += 1
+            log.error("store_write_dropped", request_id=r.request_id, pending=self._queue.qsize(),
+                      reason="the store is not keeping up")
         return sample
+
+    def flush(self, timeout: float | None = 10.0) -> bool:
+        """Wait until every queued reply is written (or failed); False if ``timeout`` passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _write_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self.store.record(*_reply(*job))
+                self.written_ += 1
+            except Exception as exc:  # the reply was decided and audited: never fail it here
+                self.errors_ += 1
+                log.error("store_record_failed", request_id=job[0].request_id, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+
+def _settings(policy: Any | None) -> _Settings:
+    from guarduq.store import ReviewSampler
+
+    review = getattr(getattr(policy, "config", None), "review", None)
+    return _Settings(
+        policy=policy,
+        sampler=ReviewSampler.from_settings(review) if review is not None else None,
+        keep_text=bool(review is not None and review.keep_text),
+        log_text=bool(policy is not None and policy.log_text),
+    )
+
+
+def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, tokens: Callable[[], list[str]],
+           sample: Sample | None, keep: bool, escalated: bool) -> tuple[ReplyRecord, Sample | None]:
+    """The store's record of ``r``: text only when ``keep``."""
+    from guarduq.store.records import ReplyRecord
+
+    d = r.decision
+    ident = policy.identity() if policy is not None else None
+    reply = ReplyRecord(
+        request_id=r.request_id,
+        time=datetime.now(UTC),
+        model_fingerprint=r.model.fingerprint,
+        policy=f"{ident['name']}@{ident['version']}" if ident else None,
+        policy_sha256=ident["sha256"] if ident else None,
+        calibrator_sha256=calibrator_sha256,
+        parameter_set=r.scores.parameter_set,
+        scores=r.scores.to_dict(with_token_probs=False, with_grad_profile=False),
+        risk=r.risk,
+        action=d.action if d is not None else None,
+        rule=d.rule if d is not None else None,
+        shown=d.shown if d is not None else True,
+        escalated=escalated,
+        second_opinion=_second_opinion(d),
+        prompt=_prompt(r.prompt) if keep else None,
+        response=r.text if keep else None,
+        tokens=_pieces(tokens, r.request_id) if keep else None,
+        token_probs=[float(p) for p in r.scores.token_probs] if keep else None,
+        ended=r.ended,
+    )
+    return reply, sample
 
 
 def _pieces(tokens: Callable[[], list[str]], request_id: str) -> list[str] | None:

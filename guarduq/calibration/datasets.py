@@ -574,6 +574,12 @@ class LabelledJSONL(Dataset):
         meta: dict[str, Any] = {"ended": ended}
         if "guarduq_sample" in row:
             meta["sample"] = _sample(row["guarduq_sample"])
+            if self.name == "jsonl" and not getattr(self, "_warned_sample", False):
+                self._warned_sample = True
+                log.warning("jsonl_rows_are_reviews", path=str(self.path),
+                            hint="these rows come from a review sample: --dataset reviews --data FILE fits "
+                                 "with their weights and certifies on the uniform sample only; --dataset "
+                                 "jsonl treats them as a simple random sample")
         item = self._new(raw_id, text, prompt, grader="given", response=response, label=int(label))
         return replace(item, meta=meta)
 
@@ -593,9 +599,11 @@ def _sample(value: Any) -> dict[str, Any]:
     """A reviewed reply's sampling record: uniform draw, rate and inclusion probabilities."""
     if not isinstance(value, dict):
         raise _RowError("field 'guarduq_sample' must be an object")
+    if not isinstance(value.get("uniform"), bool):
+        raise _RowError("field 'guarduq_sample.uniform' must be true or false")
     try:
         out = {
-            "uniform": bool(value["uniform"]),
+            "uniform": value["uniform"],
             "rate": float(value["rate"]),
             "extra_probability": float(value["extra_probability"]),
             "inclusion_probability": float(value["inclusion_probability"]),

@@ -33,6 +33,8 @@ from guarduq.cli.reviews import (
     check_review_size,
     review_data_file,
     review_parts,
+    uniform_only,
+    uniform_reference,
     weights_summary,
 )
 from guarduq.errors import CalibrationError, InputError
@@ -125,10 +127,10 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 
 def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
     if REVIEWS in args.dataset:
-        if len(args.dataset) > 1 or args.data:
-            raise InputError("--dataset reviews stands alone (no --data, no other --dataset): its "
-                             "weights and certificate describe your traffic, not a mix with benchmarks")
-        paths = [review_data_file(args)]
+        if len(args.dataset) > 1 or (args.data and args.store) or len(args.data) > 1:
+            raise InputError("--dataset reviews stands alone (--store URL, or --data one exported file; no "
+                             "other --dataset): its weights and certificate describe your traffic, not a mix")
+        paths = args.data if args.data else [review_data_file(args)]
     else:
         if args.store or args.since:
             raise InputError("--store and --since go with --dataset reviews")
@@ -313,7 +315,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
     weights = None
     if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
-        parts, weights, n_uniform = review_parts(ok, datasets, fractions)
+        parts, weights, n_uniform = review_parts(ok, datasets, fractions, getattr(args, "review_progress", None))
         check_review_size(parts, n_uniform, alphas, args.delta, fractions)
     else:
         split = _splitter(datasets, fractions)
@@ -333,8 +335,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                      model_fingerprint=guard.info.fingerprint)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
-    cal.split_ = fractions if weights is None else {**fractions, "reviews_uniform": float(n_uniform)}
+    cal.split_ = fractions
     cal.fit(*_xy(parts["fit"]), sample_weight=weights)  # the 3rd column, each item's dataset: --within-datasets
+    if weights is not None:
+        uniform_reference(cal, ok, datasets)
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
@@ -455,6 +459,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         p_true="p_true" in cal.features,
     )
     split = _splitter(datasets, cal.split_ or {})
+    if REVIEWS in args.dataset and args.split == "test":  # reviews' test split: uniform items only
+        records = uniform_only(records, datasets)
     selected = [r for r in records if args.split == "all" or split(r) == "test"]
     ok = [r for r in selected if r.usable]
     if not ok:

@@ -25,9 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from guarduq._logging import get_logger
 from guarduq.calibration.datasets import Dataset, split_of
 from guarduq.calibration.sizing import MIN_PER_CLASS, labels_needed
 from guarduq.errors import CalibrationError, InputError
+
+log = get_logger("cli")
 
 REVIEWS = "reviews"
 
@@ -38,12 +41,14 @@ def review_data_file(args: argparse.Namespace) -> Path:
     from guarduq.store import Store
 
     if not args.store:
-        raise InputError("--dataset reviews reads reviewed replies from a store: give --store URL")
+        raise InputError("--dataset reviews reads reviewed replies from a store: give --store URL "
+                         "(or --data a file exported from one)")
     since = parse_since(args.since)
     store = Store(args.store)
     try:
         buf = io.StringIO()
         n = store.export_jsonl(buf, since=since)
+        args.review_progress = store.progress()  # how many were sampled: the labelled share
     finally:
         store.close()
     if n == 0:
@@ -73,7 +78,8 @@ def parse_since(text: str | None) -> datetime | None:
 
 
 def review_parts(
-    records: Sequence[Any], datasets: Sequence[Dataset], fractions: dict[str, float]
+    records: Sequence[Any], datasets: Sequence[Dataset], fractions: dict[str, float],
+    progress: dict[str, Any] | None = None,
 ) -> tuple[dict[str, list[Any]], np.ndarray, int]:
     """Fit / threshold / test parts of reviewed replies, the fit part's weights, and how many
     replies the uniform draw picked.
@@ -86,6 +92,11 @@ def review_parts(
     from guarduq.store.records import Sample
 
     meta = {it.id: it.meta["sample"] for d in datasets for it in d.items}
+    rates = sorted({float(meta[r.id]["rate"]) for r in records if meta[r.id]["uniform"]})
+    if len(rates) > 1:  # the uniform items are then not one simple random sample
+        log.warning("review_rates_differ", rates=rates,
+                    hint="the uniform draw ran at several rates (a policy change): pass --since "
+                         "the last change so the certificate rests on one simple random sample")
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
     for r in records:
         s = meta[r.id]
@@ -94,9 +105,27 @@ def review_parts(
                       extra_probability=meta[r.id]["extra_probability"],
                       inclusion_probability=meta[r.id]["inclusion_probability"]) for r in parts["fit"]]
     fit_fraction = 1 - fractions["test_fraction"] - fractions["threshold_fraction"]
-    weights = fit_weights(samples, [s.uniform for s in samples], fit_fraction)
     n_uniform = sum(bool(meta[r.id]["uniform"]) for r in records)
+    shares = labelled_shares(progress, n_uniform, len(records) - n_uniform)
+    weights = fit_weights(samples, [s.uniform for s in samples], fit_fraction, labelled_fraction=shares)
     return parts, np.asarray(weights, dtype=float), n_uniform
+
+
+def labelled_shares(progress: dict[str, Any] | None, n_uniform: int, n_other: int) -> tuple[float, float]:
+    """(λ_u, λ_o): the shares of uniform-drawn and of other sampled items that are labelled and
+    usable here. A labelled uniform share below 1 is warned about: the certificate then assumes
+    reviewers picked which uniform items to label without regard to them (queue order does)."""
+    if not progress:
+        return 1.0, 1.0
+    sampled_u = int(progress["by_reason"].get("uniform", 0))
+    sampled_o = int(progress["items"]) - sampled_u
+    lam_u = min(1.0, n_uniform / sampled_u) if sampled_u else 1.0
+    lam_o = min(1.0, n_other / sampled_o) if sampled_o else 1.0
+    if lam_u < 1.0:
+        log.warning("review_uniform_partly_labelled", labelled=n_uniform, sampled=sampled_u,
+                    hint="the certificate treats the labelled uniform items as a random subset of "
+                         "the uniform sample: label them in queue order, without filtering by risk")
+    return max(lam_u, 1e-9), max(lam_o, 1e-9)
 
 
 def check_review_size(
@@ -112,7 +141,7 @@ def check_review_size(
     if min(fit_wrong, fit_right) < 2:
         problems.append(
             f"the fit split holds {fit_right} right and {fit_wrong} wrong answers; the risk model needs "
-            f"at least {MIN_PER_CLASS} of each"
+            f"both (at least 2 of each; {MIN_PER_CLASS} of each to fit well)"
         )
     tf = fractions["threshold_fraction"]
     rate = sum(r.label == 0 for r in parts["threshold"]) / len(parts["threshold"]) if parts["threshold"] else 0.0
@@ -137,3 +166,20 @@ def weights_summary(weights: np.ndarray) -> dict[str, float]:
     w = np.asarray(weights, float)
     ess = float(w.sum() ** 2 / (w**2).sum()) if w.size else 0.0
     return {"n": int(w.size), "effective_n": round(ess, 1), "max_over_min": float(w.max() / w.min()) if w.size else math.nan}
+
+
+def uniform_reference(cal: Any, records: Sequence[Any], datasets: Sequence[Dataset]) -> None:
+    """Point the calibrator's drift reference at the uniform sample (a simple random sample of
+    the traffic), not at its fit split, which escalations and bands over-represent."""
+    from guarduq.calibration.drift import drift_features, reference_quantiles
+
+    meta = {it.id: it.meta["sample"] for d in datasets for it in d.items}
+    uniform = [r.scores for r in records if meta[r.id]["uniform"]]
+    if uniform:
+        cal.reference_ = reference_quantiles(uniform, drift_features(cal.features))
+
+
+def uniform_only(records: Sequence[Any], datasets: Sequence[Dataset]) -> list[Any]:
+    """The records the uniform draw picked: the only ones a reviews calibrator's test split holds."""
+    meta = {it.id: it.meta.get("sample") for d in datasets for it in d.items}
+    return [r for r in records if meta.get(r.id) and meta[r.id]["uniform"]]

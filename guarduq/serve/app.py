@@ -144,6 +144,9 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
             if watcher is not None:
                 watcher.cancel()
             engine.close()
+            traffic = getattr(guard, "traffic", None)
+            if traffic is not None:  # the store's writer catches up before the process ends
+                traffic.flush(10.0)
 
     app = FastAPI(title="guarduq", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.guard, app.state.engine, app.state.metrics, app.state.drift = guard, engine, metrics, live.drift

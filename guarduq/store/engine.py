@@ -116,7 +116,9 @@ def make_engine(target: Target, *, echo: bool = False) -> Engine:
             echo=echo,
             json_serializer=_dumps,
             pool_pre_ping=True,  # a restarted server costs one failed ping, not one failed call
-            connect_args={"connect_timeout": 10},
+            # No call waits forever on a lost server or a held lock (the writer thread would stall)
+            connect_args={"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30,
+                          "options": "-c statement_timeout=30000 -c lock_timeout=10000"},
         )
     engine = create_engine(
         target.url,

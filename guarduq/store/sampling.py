@@ -128,7 +128,8 @@ def inclusion_probability(rate: float, extra_probability: float) -> float:
 
 
 def fit_weights(
-    samples: Sequence[Sample], in_fit_uniform: Sequence[bool], fit_fraction: float
+    samples: Sequence[Sample], in_fit_uniform: Sequence[bool], fit_fraction: float,
+    labelled_fraction: tuple[float, float] = (1.0, 1.0),
 ) -> np.ndarray:
     """Horvitz–Thompson weights 1/π_fit for the calibration fit split (derived in the module
     docstring); 0 for items outside it.
@@ -136,7 +137,16 @@ def fit_weights(
     ``in_fit_uniform[i]``: for a uniform-drawn item, whether the random split put it in fit
     (drawn with probability ``fit_fraction``); ignored for the others, which are in fit when
     another reason picked them.
+
+    ``labelled_fraction`` = (λ_u, λ_o): the share of the uniform-drawn items, and of the items
+    only another reason picked, that reviewers labelled. Reviewers rarely label every sampled
+    item, and not at the same rate in each stratum (escalations first, say); treating labelling
+    within a stratum as random, an item is in the labelled fit set with probability
+    π = rate·f·λ_u + (1 − rate)·extra·λ_o, which reduces to the sampling formula when all are
+    labelled.
     """
+    lam_u = _probability(labelled_fraction[0], "labelled_fraction (uniform)")
+    lam_o = _probability(labelled_fraction[1], "labelled_fraction (other)")
     if len(samples) != len(in_fit_uniform):
         raise StoreInputError(f"{len(samples)} samples but {len(in_fit_uniform)} split flags")
     f = _probability(fit_fraction, "fit_fraction")
@@ -145,7 +155,7 @@ def fit_weights(
         fit = bool(in_fit) if s.uniform else s.sampled
         if not fit:
             continue
-        pi = s.rate * f + (1.0 - s.rate) * s.extra_probability
+        pi = s.rate * f * lam_u + (1.0 - s.rate) * s.extra_probability * lam_o
         if not pi > 0.0:
             raise StoreInputError(
                 f"sample {i} is in the fit split but has fit probability {pi} (rate {s.rate}, "

@@ -9,12 +9,15 @@ outside its error handling, so such a reply, when sampled with ``keep_text``, fa
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from guarduq import layout
 from guarduq.guard import GuardedResponse, invalid_scores
 from guarduq.models import ModelInfo
-from guarduq.store import ReviewSampler, Store
+from guarduq.policy.schema import ReviewSettings
+from guarduq.store import Store
 from guarduq.traffic import Traffic
 from tests.conftest import make_tokenizer
 
@@ -22,7 +25,9 @@ from tests.conftest import make_tokenizer
 @pytest.mark.parametrize("text", ["", "  \n"])
 def test_a_sampled_blank_reply_is_recorded_without_token_pieces(store: Store, text: str) -> None:
     tok = make_tokenizer()
-    traffic = Traffic(store=store, sampler=ReviewSampler(rate=1.0), keep_text=True)
+    policy = SimpleNamespace(config=SimpleNamespace(review=ReviewSettings(keep_text=True, rate=1.0)), log_text=False,
+                             identity=lambda: {"name": "p", "version": "1", "sha256": "a" * 64})
+    traffic = Traffic(store, policy)
     r = GuardedResponse(text=text, scores=invalid_scores("response is empty or whitespace", 2), ended=True,
                         prompt=[{"role": "user", "content": "hi"}],
                         model=ModelInfo(name="tiny", fingerprint="f" * 32, source="object", n_params=2))
@@ -30,7 +35,8 @@ def test_a_sampled_blank_reply_is_recorded_without_token_pieces(store: Store, te
     def pieces() -> list[str]:  # what Guard._token_pieces does
         return [tok.decode([i]) for i in layout.response_ids(tok, r.text, ended=r.ended)]
 
-    sample = traffic.record(r, policy=None, calibrator_sha256=None, tokens=pieces)
+    sample = traffic.record(r, policy=policy, calibrator_sha256=None, tokens=pieces)
+    assert traffic.flush()
     assert sample is not None and sample.sampled and traffic.errors_ == 0
     item = store.item(r.request_id)
     assert item is not None

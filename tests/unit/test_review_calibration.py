@@ -32,7 +32,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def labelled_store(path: Path, n_uniform: int, n_band: int) -> tuple[str, list[str], list[str]]:
+def labelled_store(path: Path, n_uniform: int, n_band: int, label_uniform_every: int = 1
+                   ) -> tuple[str, list[str], list[str]]:
     """Replies with chat prompts; short answers right, long ones wrong (something to learn)."""
     url = f"sqlite:///{path}"
     store = Store(url)
@@ -44,8 +45,9 @@ def labelled_store(path: Path, n_uniform: int, n_band: int) -> tuple[str, list[s
         r = reply(i, prompt=[{"role": "user", "content": f"question {i}?"}], response=answer)
         s = UNIFORM if i < n_uniform else BAND
         store.record(r, s)
-        store.add_label(r.request_id, reviewer="ann", label="right" if right else "wrong")
-        (uniform if i < n_uniform else band).append(r.request_id)
+        if i >= n_uniform or i % label_uniform_every == 0:
+            store.add_label(r.request_id, reviewer="ann", label="right" if right else "wrong")
+            (uniform if i < n_uniform else band).append(r.request_id)
     store.close()
     return url, uniform, band
 
@@ -65,8 +67,26 @@ def test_fit_takes_every_label_and_the_certificate_only_the_uniform_ones(
     assert res["reviews"]["uniform"] == len(uniform)
     # pi_fit: uniform items rate*f + (1-rate)*0 = 0.2; band items 0.2 + 0.5*0.5 = 0.45
     assert res["reviews"]["weights"]["max_over_min"] == pytest.approx(0.45 / 0.2)
-    art = json.loads(out.read_text())
-    assert art["split"]["reviews_uniform"] == len(uniform)
+    # evaluate --split test takes the same held-out uniform items (band items were fit on)
+    rc = main(["evaluate", "--calibrator", str(out), "--model", str(tiny_model_dir), "--dataset", "reviews",
+               "--store", url, "--split", "test", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json"])
+    assert rc == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["n"] == res["split_sizes"]["test"]
+
+
+def test_weights_follow_the_share_of_each_stratum_that_was_labelled(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Half the uniform items labelled, every band item: pi_u = 0.5*0.4*0.5 = 0.1 and
+    pi_band = 0.1 + 0.5*0.5*1 = 0.35, so band items weigh 1/3.5 of a uniform one."""
+    url, uniform, band = labelled_store(tmp_path / "s.db", 120, 30, label_uniform_every=2)
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--alpha", "0.6", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json",
+               "--out", str(tmp_path / "cal.json")])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(capsys.readouterr().out)
+    assert len(uniform) == 60 and res["reviews"]["uniform"] == 60
+    assert res["reviews"]["weights"]["max_over_min"] == pytest.approx(0.35 / 0.1)
 
 
 def test_too_few_uniform_labels_are_refused_with_how_many_more(
@@ -83,6 +103,7 @@ def test_too_few_uniform_labels_are_refused_with_how_many_more(
 @pytest.mark.parametrize(("argv", "message"), [
     (["--dataset", "reviews"], "give --store URL"),
     (["--dataset", "reviews", "--store", "STORE", "--data", "x.jsonl"], "stands alone"),
+    (["--dataset", "reviews", "--data", "x.jsonl", "--data", "x.jsonl"], "stands alone"),
     (["--dataset", "jsonl", "--data", "x.jsonl", "--store", "STORE"], "go with --dataset reviews"),
     (["--dataset", "reviews", "--store", "STORE", "--since", "last week"], "ISO 8601"),
     (["--dataset", "reviews", "--store", "EMPTY"], "no reviewed replies labelled"),

@@ -71,6 +71,7 @@ def test_sampled_replies_keep_text_and_token_pieces(tmp_path: Path, model: Any) 
     store = Store(f"sqlite:///{tmp_path / 's.db'}")
     guard = Guard(model, policy=write_policy(tmp_path, model), store=store, max_new_tokens=6)
     rs = [guard.generate(p, **varied(guard.tokenizer)) for p in ("hello", "what is 2+2?", "tell me")]
+    assert guard.traffic.flush()
     for r in rs:
         item = store.item(r.request_id)
         assert item is not None and item.sample.uniform and item.sample.inclusion_probability == 1.0
@@ -95,6 +96,7 @@ def test_text_is_kept_only_where_the_policy_opts_in(tmp_path: Path, model: Any, 
     guard = Guard(model, policy=write_policy(tmp_path, model, rate=rate, keep=keep, log_text=log_text),
                   store=store, max_new_tokens=4)
     r = guard.generate("hello", **varied(guard.tokenizer))
+    assert guard.traffic.flush()
     rep = store.reply(r.request_id)
     assert rep is not None and rep.scores["mean_token_prob"] == pytest.approx(r.scores.mean_token_prob)
     item = store.item(r.request_id)
@@ -109,10 +111,12 @@ def test_sampling_follows_a_reload(tmp_path: Path, model: Any) -> None:
     policy = write_policy(tmp_path, model, rate=0.0)
     guard = Guard(model, policy=policy, store=store, max_new_tokens=4)
     allowed = [r for r in (guard.generate(f"q{i}") for i in range(4)) if r.decision.action == "allow"]
+    assert guard.traffic.flush()
     assert all(store.item(r.request_id) is None for r in allowed)
     write_policy(tmp_path, model, rate=1.0, version=2)
     guard.reload()
     r = guard.generate("after")
+    assert guard.traffic.flush()
     item = store.item(r.request_id)
     assert item is not None and item.sample.uniform and item.reply.policy == "t@2"
 
@@ -124,6 +128,7 @@ def test_a_failing_store_never_fails_the_reply(tmp_path: Path, model: Any) -> No
     store.close()  # every write now fails
     store.record = _raise  # type: ignore[method-assign]
     r = guard.generate("hello")
+    assert guard.traffic.flush()
     assert r.decision is not None and guard.traffic.errors_ == 1
     assert (tmp_path / "audit.jsonl").read_text().count("\n") == 1  # the audit line is still written
 
@@ -161,6 +166,7 @@ def test_two_replicas_share_one_postgres_store(tmp_path: Path, model: Any, pg_da
         for t in threads:
             t.join()
     assert errors == [] and len(ids) == 80 == len(set(ids))
+    assert all(g.traffic.flush() for g in guards)
     store = Store(pg_database_url)
     assert store.progress()["replies"] == 80
     assert all(store.reply(i) is not None for i in ids)
@@ -175,6 +181,7 @@ def test_kill_9_of_the_review_app_loses_no_committed_label(tmp_path: Path, model
     store = Store(url)
     guard = Guard(model, policy=write_policy(tmp_path, model), store=store, max_new_tokens=3)
     ids = [guard.generate(f"question {i}").request_id for i in range(40)]
+    assert guard.traffic.flush()
     port = free_port()
     proc = subprocess.Popen([str(Path(sys.executable).with_name("guarduq")), "review", "--store", url,
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -229,3 +236,30 @@ def test_token_pieces_join_to_the_decoded_text() -> None:
     assert len(pieces) == len(ids) > len("héllo ✓ ok")
     assert "".join(pieces) == "héllo ✓ ok"
     assert "".join(tok.decode([i]) for i in ids) != "héllo ✓ ok"  # why the prefix growth is needed
+
+
+def test_a_slow_store_never_holds_a_reply_up(tmp_path: Path, model: Any) -> None:
+    """The writer thread takes the wait: replies return at once, the store catches up, and
+    past ``max_pending`` waiting writes the rest are dropped and counted, never raised."""
+    from guarduq.traffic import Traffic
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    release = threading.Event()
+    real = store.record
+
+    def slow(*args: Any) -> None:
+        release.wait(30)
+        real(*args)
+
+    store.record = slow  # type: ignore[method-assign]
+    guard = Guard(model, policy=write_policy(tmp_path, model), max_new_tokens=3)
+    guard.traffic = Traffic(store, guard.policy, max_pending=2)
+    t0 = time.perf_counter()
+    rs = [guard.generate(f"q{i}") for i in range(5)]
+    assert time.perf_counter() - t0 < 20  # nothing waited on the blocked store
+    assert not guard.traffic.flush(timeout=0.2)
+    release.set()
+    assert guard.traffic.flush()
+    t = guard.traffic
+    assert t.written_ + t.dropped_ == 5 and t.dropped_ >= 2 and t.errors_ == 0
+    assert sum(store.reply(r.request_id) is not None for r in rs) == t.written_
