@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-env", metavar="VAR",
                    help="environment variable holding the API key(s), comma-separated; reviewers sign "
                         "in with their name and a key")
+    p.add_argument("--csrf-secret-env", metavar="VAR",
+                   help="environment variable holding the secret that signs form tokens (16+ characters); "
+                        "default: derived from the API keys (replicas sharing keys accept each other's "
+                        "forms), or random per process without keys")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="bind a non-loopback host without an API key (not recommended)")
     p.add_argument("--policy", type=Path, help="YAML policy whose alpha the progress line counts towards")
@@ -51,7 +56,27 @@ def review_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> ReviewPa
     return ReviewPageSettings(api_keys=keys, alpha=alpha, delta=args.delta,
                           threshold_fraction=getattr(args, "threshold_fraction", 0.3),
                           reviewer_default=getattr(args, "reviewer", "reviewer"),
-                          allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+                          allow_unauthenticated_remote=args.allow_unauthenticated_remote,
+                          csrf_secret=csrf_secret_from_env(getattr(args, "csrf_secret_env", None)))
+
+
+def csrf_secret_from_env(var: str | None, flag: str = "--csrf-secret-env") -> bytes | None:
+    """The CSRF secret held by environment variable ``var`` (None: no flag given)."""
+    if var is None:
+        return None
+    bad = InputError(f"{flag} {var!r}: not a valid environment variable name")
+    if not var or "=" in var or "\0" in var:
+        raise bad
+    try:
+        raw = os.environ.get(var)
+    except UnicodeError as exc:
+        raise bad from exc
+    if raw is None:
+        raise InputError(f"{flag} {var}: the environment variable {var} is not set")
+    secret = raw.strip().encode("utf-8", "surrogateescape")
+    if len(secret) < 16:
+        raise InputError(f"{flag} {var}: the secret must be at least 16 characters")
+    return secret
 
 
 def _cmd_review(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ small static script adds the keyboard). ``guarduq review`` runs it alone on a st
 ``mount_review`` puts it under ``/review`` inside another app (``guarduq serve --review``).
 
 Security follows ``guarduq serve`` (see ``security``): an API key on every request, or loopback
-clients only without one; a CSRF token on every form; security headers on every response.
+clients under a loopback Host only without one; a CSRF token on every form; security headers on
+every response. A reply whose text was not kept cannot be labelled (no calibration could use it).
 Errors are an HTML page for a browser and serve's JSON shape
 ``{"error": {"message", "type", "param", "code"}}`` otherwise; bad input is a 4xx, never a 500.
 """
@@ -55,6 +56,7 @@ from guarduq.review.security import (
     authenticate,
     check_fetch_site,
     cookie_path,
+    csrf_secret_from_keys,
 )
 
 log = get_logger("review")
@@ -77,7 +79,9 @@ class ReviewPageSettings:
     allow_unauthenticated_remote: bool = False  # answer non-loopback clients without a key
     page_size: int = 50
     max_body_bytes: int = 200_000
-    csrf_secret: bytes | None = None  # default: random per app (tokens die with the process)
+    # None: derived from api_keys when there are keys (replicas sharing keys accept each other's
+    # tokens), else random per app (loopback, one process: tokens die with it)
+    csrf_secret: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.alpha is not None and not 0 < self.alpha < 1:
@@ -86,6 +90,8 @@ class ReviewPageSettings:
             raise InputError(f"delta must be in (0, 1), got {self.delta}")
         if not 0 < self.threshold_fraction < 1:
             raise InputError(f"threshold_fraction must be in (0, 1), got {self.threshold_fraction}")
+        if self.csrf_secret is not None and len(self.csrf_secret) < 16:
+            raise InputError("csrf_secret must be at least 16 bytes")
         if not 1 <= self.page_size <= 500:
             raise InputError(f"page_size must be 1 to 500, got {self.page_size}")
         try:
@@ -113,7 +119,8 @@ def create_review_app(store: ReviewStore, settings: ReviewPageSettings | None = 
     the current α on every page instead of ``settings.alpha`` (a server that hot-reloads its
     policy passes ``lambda: guard.policy.alpha``)."""
     s = settings or ReviewPageSettings()
-    csrf = Csrf(s.csrf_secret)
+    csrf = Csrf(s.csrf_secret if s.csrf_secret is not None
+                else csrf_secret_from_keys(s.api_keys) if s.api_keys else None)
     env = Environment(loader=FileSystemLoader(_HERE / "templates"), autoescape=True,
                       undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.globals.update(fmt=views.fmt, when=views.when, quote=lambda v: quote(str(v), safe=""))
@@ -224,7 +231,7 @@ def create_review_app(store: ReviewStore, settings: ReviewPageSettings | None = 
         nxt = store.next_unlabelled(after=request_id, **q.next_filters())
         reply = item.reply
         return page(request, "item.html", title=f"Item {request_id[:12]}", item=item, reply=reply,
-                    q=q, filters=q.carried(),
+                    q=q, filters=q.carried(), labellable=_text_kept(reply), not_kept=NOT_KEPT,
                     messages=views.conversation(reply.prompt), tokens=views.answer_tokens(reply),
                     scores=views.score_rows(reply.scores),
                     opinion=views.opinion_rows(reply.second_opinion), next_id=nxt,
@@ -236,6 +243,12 @@ def create_review_app(store: ReviewStore, settings: ReviewPageSettings | None = 
         data = await _form(request, s.max_body_bytes)
         csrf.check(request.cookies.get(CSRF_COOKIE), data.get("csrf"))
         form: LabelForm = validated(LabelForm, data)
+        item = await run_in_threadpool(lambda: store.item(request_id))
+        if item is None:
+            raise PageError(404, f"no review item {request_id[:80]!r} in this store", param="request_id",
+                            code="not_found")
+        if not _text_kept(item.reply):
+            raise PageError(409, NOT_KEPT + "; no label was stored", param="request_id", code="text_not_kept")
         who = reviewer(request)
         await run_in_threadpool(lambda: store.add_label(request_id, reviewer=who, label=form.label,
                                                         note=form.note, corrected=form.corrected))
@@ -287,6 +300,15 @@ def mount_review(app: FastAPI, store: ReviewStore, settings: ReviewPageSettings 
     review = create_review_app(store, settings, alpha_of=alpha_of)
     app.mount(prefix, review)
     return review
+
+
+NOT_KEPT = ("this reply's text was not kept (the policy's review.keep_text is off): "
+            "it cannot be labelled for calibration")
+
+
+def _text_kept(reply: Any) -> bool:
+    """Whether a label on ``reply`` could be used: calibration needs its prompt and answer."""
+    return reply.prompt is not None and reply.response is not None
 
 
 def _base(request: Request) -> str:

@@ -3,9 +3,13 @@
 The page shows prompts and replies, so it follows ``guarduq serve``: with API keys, every request
 carries one (HTTP Basic with the key as the password, which a browser asks for by itself, or a
 Bearer header), compared in constant time against every key; without keys, only this machine
-(loopback) is answered. Forms carry a double-submit CSRF token bound to a server secret: the same
-``nonce.HMAC(secret, nonce)`` sits in a SameSite=Strict, HttpOnly cookie and in a hidden field,
-so another site can neither read it nor mint one that verifies.
+(loopback) is answered, and only under a loopback name: the request's Host header must be
+``localhost`` or a loopback address too, else a DNS-rebinding page (``attacker.example`` made
+to resolve to 127.0.0.1) could read and post from the reviewer's own browser. Forms carry a
+double-submit CSRF token bound to a server secret: the same ``nonce.HMAC(secret, nonce)`` sits
+in a SameSite=Strict, HttpOnly cookie and in a hidden field, so another site can neither read it
+nor mint one that verifies. With API keys and no explicit secret, the secret is derived from the
+keys (``csrf_secret_from_keys``), so replicas sharing keys accept each other's tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from guarduq.review.forms import PageError
 CSRF_COOKIE = "guarduq_review_csrf"
 REVIEWER_COOKIE = "guarduq_reviewer"
 REALM = "guarduq review"
+CSRF_KEY_LABEL = b"guarduq review csrf secret v1"  # domain separation for csrf_secret_from_keys
 
 # Scripts and styles come from the page's own origin only (no inline code), so an answer that
 # smuggled markup past the escaping still could not run; nothing may frame the page.
@@ -49,13 +54,24 @@ class Caller:
 
 
 def authenticate(request: Request, api_keys: tuple[str, ...], *, allow_remote: bool) -> Caller:
-    """The caller, or a 401 (keys configured, none valid) / 403 (no keys, not loopback)."""
+    """The caller, or a 401 (keys configured, none valid) / 403 (no keys, and either the client
+    is not loopback or the Host header does not name this machine)."""
     if not api_keys:
+        if allow_remote:
+            return Caller()
         host = request.client.host if request.client else None
-        if not allow_remote and not is_loopback(host):
+        if not is_loopback(host):
             raise PageError(403, "this review page has no API key, so it answers this machine only "
                                  "(loopback); start it with --api-key-env VAR to open it to others",
                             code="loopback_only")
+        name = host_name(request.headers.get("host"))
+        if name is None or not is_loopback(name):
+            shown = (request.headers.get("host") or "(none)")[:100]
+            raise PageError(403, f"this review page has no API key, so it answers this machine only, "
+                                 f"under a loopback name; the request's Host {shown!r} is not one "
+                                 "(a DNS-rebinding page looks like this): open it as "
+                                 "http://127.0.0.1:PORT/ or http://localhost:PORT/, or start it with "
+                                 "--api-key-env VAR", code="loopback_host_only")
         return Caller()
     scheme, _, cred = request.headers.get("authorization", "").partition(" ")
     user, given = "", b""
@@ -76,6 +92,37 @@ def authenticate(request: Request, api_keys: tuple[str, ...], *, allow_remote: b
                         code="invalid_api_key",
                         headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'})
     return Caller(user=user.strip() or None)
+
+
+def host_name(header: str | None) -> str | None:
+    """The host of a Host header, lower-cased, without its port, brackets or a trailing dot
+    (``[::1]:8100`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``); None when malformed."""
+    if not header:
+        return None
+    h = header.strip().lower()
+    if h.startswith("["):  # an IPv6 literal: [addr] or [addr]:port
+        end = h.find("]")
+        rest = h[end + 1:] if end > 0 else "?"
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+        return h[1:end]
+    if h.count(":") > 1:  # a bare IPv6 address: no port can be told apart
+        return h
+    name, sep, port = h.partition(":")
+    if sep and not port.isdigit():
+        return None
+    name = name[:-1] if name.endswith(".") else name
+    return name or None
+
+
+def csrf_secret_from_keys(api_keys: tuple[str, ...]) -> bytes:
+    """A CSRF secret every replica with the same keys computes alike: HMAC-SHA256 keyed with a
+    fixed label over the sorted, distinct keys (each length-prefixed, so no two key sets give
+    the same input). One-way: the secret does not reveal a key."""
+    if not api_keys:
+        raise ValueError("csrf_secret_from_keys needs at least one key")
+    msg = b"".join(len(k).to_bytes(4, "big") + k for k in sorted({k.encode() for k in api_keys}))
+    return hmac.new(CSRF_KEY_LABEL, msg, hashlib.sha256).digest()
 
 
 class Csrf:

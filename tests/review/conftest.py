@@ -20,6 +20,9 @@ from guarduq.store.records import ReplyRecord, Sample  # noqa: E402
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 LOOPBACK = ("127.0.0.1", 50000)
+# Without a key the page answers only requests addressed to a loopback name (DNS rebinding), and
+# TestClient's default Host is "testserver": test clients address the page as a browser would.
+BASE_URL = "http://127.0.0.1:8100"
 XSS_PROMPT = "Is <script>window.__pwned=1;alert(1)</script> safe?"
 XSS_ANSWER = 'Yes <img src=x onerror="window.__pwned=1"> it is'
 
@@ -80,9 +83,15 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
     s.close()
 
 
+def page_client(app: Any, host: tuple[str, int] = LOOPBACK, base_url: str = BASE_URL) -> TestClient:
+    """A TestClient on ``app``; requests come from ``host`` and are sent to ``base_url``
+    (``Host: 127.0.0.1:8100``, as a browser on this machine sends)."""
+    return TestClient(app, client=host, base_url=base_url)
+
+
 def client(store: Store, host: tuple[str, int] = LOOPBACK, **settings: Any) -> TestClient:
     """A TestClient on the review app; requests come from ``host`` (loopback by default)."""
-    return TestClient(create_review_app(store, ReviewPageSettings(**settings)), client=host)
+    return page_client(create_review_app(store, ReviewPageSettings(**settings)), host)
 
 
 def csrf(c: TestClient, path: str = "/") -> str:

@@ -28,10 +28,8 @@ def test_review_is_registered() -> None:
 
 
 def test_serves_the_page_on_the_store(tmp_path: Path, served: dict[str, Any]) -> None:
-    from fastapi.testclient import TestClient
-
     from guarduq.store import Store
-    from tests.review.conftest import fill
+    from tests.review.conftest import fill, page_client
 
     db = tmp_path / "s.db"
     with Store(f"sqlite:///{db}") as s:
@@ -50,7 +48,7 @@ def test_serves_the_page_on_the_store(tmp_path: Path, served: dict[str, Any]) ->
     with Store(str(db)) as s:  # the app works on an open store
         from guarduq.review import create_review_app
 
-        html = TestClient(create_review_app(s, served["app"].state.settings), client=("127.0.0.1", 1)).get("/").text
+        html = page_client(create_review_app(s, served["app"].state.settings), ("127.0.0.1", 1)).get("/").text
         assert "α = 0.25" in html
 
 
@@ -68,6 +66,27 @@ def test_refuses_remote_bind_without_a_key(tmp_path: Path, served: dict[str, Any
     assert served["app"].state.settings.allow_unauthenticated_remote
 
 
+def test_csrf_secret_from_env(tmp_path: Path, served: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    db = str(tmp_path / "s.db")
+    assert main(["review", "--store", db]) == 0
+    assert served["app"].state.settings.csrf_secret is None  # default: from the keys, else random
+    monkeypatch.setenv("REVIEW_CSRF", " " + "c" * 40 + "\n")
+    assert main(["review", "--store", db, "--csrf-secret-env", "REVIEW_CSRF"]) == 0
+    assert served["app"].state.settings.csrf_secret == b"c" * 40
+    # two processes given the same secret accept each other's forms
+    from guarduq.review import create_review_app
+    from guarduq.store import Store
+    from tests.review.conftest import csrf, fill, page_client
+
+    with Store(db) as s:
+        ids = fill(s, 2)
+        one = page_client(create_review_app(s, served["app"].state.settings))
+        token = csrf(one)
+        two = page_client(create_review_app(s, served["app"].state.settings))
+        two.cookies.set("guarduq_review_csrf", token)
+        assert two.post(f"/items/{ids[0]}/label", data={"label": "right", "csrf": token}).status_code == 200
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--alpha", "1.5"], "alpha must be in (0, 1)"),
     (["--delta", "0"], "delta must be in (0, 1)"),
@@ -75,9 +94,13 @@ def test_refuses_remote_bind_without_a_key(tmp_path: Path, served: dict[str, Any
     (["--policy", "missing.yaml"], "cannot read policy file"),
     (["--reviewer", ""], "reviewer_default"),
     (["--api-key-env", "NO_SUCH_VAR_FOR_REVIEW"], "is not set"),
+    (["--csrf-secret-env", "NO_SUCH_VAR_FOR_REVIEW"], "--csrf-secret-env NO_SUCH_VAR_FOR_REVIEW: the environment"),
+    (["--csrf-secret-env", "SHORT_REVIEW_SECRET"], "at least 16 characters"),
+    (["--csrf-secret-env", "A=B"], "not a valid environment variable name"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path: Path, served: dict[str, Any], argv: list[str], words: str,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                       capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHORT_REVIEW_SECRET", "too short")
     assert main(["review", "--store", str(tmp_path / "s.db"), *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and not served

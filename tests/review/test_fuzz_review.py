@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from guarduq.review import create_review_app
 from guarduq.store import Store
-from tests.review.conftest import LOOPBACK, fill
+from tests.review.conftest import fill, page_client
 from tests.unit.fuzz_support import COUNTS, examples
 
 pytestmark = pytest.mark.fuzz
@@ -24,9 +24,7 @@ IDS = fill(STORE, 6)
 
 
 def _client():  # noqa: ANN202 - TestClient
-    from fastapi.testclient import TestClient
-
-    c = TestClient(create_review_app(STORE), client=LOOPBACK)
+    c = page_client(create_review_app(STORE))
     c.get("/")
     return c
 

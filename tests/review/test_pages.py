@@ -13,7 +13,7 @@ from guarduq.calibration.sizing import accepted_needed
 from guarduq.calibration.thresholds import start_size
 from guarduq.review import progress
 from guarduq.store import Store
-from tests.review.conftest import UNIFORM, client, csrf, fill, reply
+from tests.review.conftest import UNIFORM, client, csrf, fill, page_client, reply
 
 
 def _ids(html: str) -> list[str]:
@@ -103,6 +103,43 @@ def test_item_without_tokens_or_text(store: Store) -> None:
     assert '<div class="text answer" id="answer">Plain answer.</div>' in html
     html = c.get("/items/req0002").text
     assert "was not kept" in html and c.get("/").status_code == 200
+
+
+def test_item_without_text_cannot_be_labelled(store: Store) -> None:
+    """A reply whose text was not kept (review.keep_text off) shows a note, not the label form,
+    and a label posted for it is refused with 409: calibration could never use it."""
+    import html as htmllib
+
+    store.record(reply(1), UNIFORM)  # text kept: labelled as usual
+    gone = {"req0002": {"prompt": None, "response": None, "tokens": None, "token_probs": None},
+            "req0003": {"prompt": None}, "req0004": {"response": None, "tokens": None, "token_probs": None}}
+    for rid, missing in gone.items():
+        store.record(replace(reply(int(rid[3:])), **missing), UNIFORM)
+    c = client(store)
+    token = csrf(c)
+    kept = c.get("/items/req0001").text
+    assert 'id="label-form"' in kept and 'id="not-labellable"' not in kept
+    for rid in gone:
+        page = c.get(f"/items/{rid}")
+        assert page.status_code == 200
+        text = htmllib.unescape(page.text)
+        assert 'id="label-form"' not in text and 'value="right"' not in text, rid
+        assert 'id="not-labellable"' in text and "text was not kept (the policy's review.keep_text is off)" \
+            in text and "cannot be labelled for calibration" in text, rid
+        for label in ("right", "wrong", "unsure"):
+            r = c.post(f"/items/{rid}/label", data={"label": label, "csrf": token}, follow_redirects=False)
+            assert r.status_code == 409, (rid, label)
+            err = r.json()["error"]
+            assert err["code"] == "text_not_kept" and "review.keep_text" in err["message"]
+        r = c.post(f"/items/{rid}/label", data={"label": "wrong", "csrf": token},
+                   headers={"accept": "text/html"})
+        assert r.status_code == 409 and "cannot be labelled for calibration" in htmllib.unescape(r.text)
+        assert store.item(rid).labels == [], rid
+    # the CSRF check still comes first, and an unknown item is still a 404
+    assert c.post("/items/req0002/label", data={"label": "right"}).status_code == 403
+    assert c.post("/items/req9999/label", data={"label": "right", "csrf": token}).status_code == 404
+    r = c.post("/items/req0001/label", data={"label": "right", "csrf": token}, follow_redirects=False)
+    assert r.status_code == 303 and store.item("req0001").current.label == "right"
 
 
 def test_unknown_item_is_404(store: Store) -> None:
@@ -246,7 +283,6 @@ def test_bad_input_is_a_clear_4xx(store: Store) -> None:
 
 def test_mounted_under_a_prefix(store: Store) -> None:
     from fastapi import FastAPI
-    from fastapi.testclient import TestClient
 
     from guarduq.review import ReviewPageSettings, mount_review
 
@@ -258,7 +294,7 @@ def test_mounted_under_a_prefix(store: Store) -> None:
         return {"status": "ok"}
 
     mount_review(outer, store, ReviewPageSettings(), prefix="/review")
-    c = TestClient(outer, client=("127.0.0.1", 1))
+    c = page_client(outer, ("127.0.0.1", 1))
     html = c.get("/review/").text
     assert f'href="/review/items/{ids[2]}"' in html and 'href="/review/static/review.css"' in html
     assert c.cookies.get("guarduq_review_csrf")
@@ -267,15 +303,13 @@ def test_mounted_under_a_prefix(store: Store) -> None:
     r = c.post(f"/review/items/{ids[2]}/label", data={"label": "right", "csrf": token}, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == f"/review/items/{ids[1]}?prev={ids[2]}"
     assert c.get("/healthz").json() == {"status": "ok"}
-    fresh = TestClient(outer, client=("127.0.0.1", 1)).get("/review/")
+    fresh = page_client(outer, ("127.0.0.1", 1)).get("/review/")
     assert "Path=/review;" in fresh.headers["set-cookie"]  # the cookies stay inside the prefix
 
 
 def test_inside_the_serve_app(store: Store, tokenizer: Any) -> None:
     """``guarduq serve --review``: the page under /review next to the OpenAI endpoints, each with
     its own auth (serve: Bearer; review: Basic or Bearer with the same keys)."""
-    from fastapi.testclient import TestClient
-
     from guarduq.review import ReviewPageSettings, mount_review
     from tests.unit.serve_helpers import fake_app
 
@@ -284,7 +318,7 @@ def test_inside_the_serve_app(store: Store, tokenizer: Any) -> None:
     app, _ = fake_app(tokenizer, api_keys=(key,))
     policy_alpha = [0.3]
     mount_review(app, store, ReviewPageSettings(api_keys=(key,)), alpha_of=lambda: policy_alpha[0])
-    c = TestClient(app, client=("10.0.0.9", 1))
+    c = page_client(app, ("10.0.0.9", 1))
     assert c.get("/review/").status_code == 401
     bearer = {"authorization": f"Bearer {key}"}
     html = c.get("/review/", headers=bearer).text

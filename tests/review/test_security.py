@@ -1,4 +1,5 @@
-"""The review page's security: API keys, loopback only without one, CSRF, escaping, headers."""
+"""The review page's security: API keys, loopback only without one (client and Host), CSRF,
+escaping, headers."""
 
 from __future__ import annotations
 
@@ -6,19 +7,18 @@ import base64
 import html as htmllib
 
 import pytest
-from fastapi.testclient import TestClient
 
 from guarduq.review import ReviewPageSettings, create_review_app
-from guarduq.review.security import Csrf
+from guarduq.review.security import Csrf, csrf_secret_from_keys, host_name
 from guarduq.store import Store
 from tests.review.conftest import (
-    LOOPBACK,
     UNIFORM,
     XSS_ANSWER,
     XSS_PROMPT,
     client,
     csrf,
     fill,
+    page_client,
     reply,
 )
 
@@ -45,6 +45,89 @@ def test_without_a_key_only_loopback_is_answered(store: Store, host: str) -> Non
 def test_loopback_is_answered_without_a_key(store: Store, host: str) -> None:
     fill(store, 2)
     assert client(store, host=(host, 4000)).get("/").status_code == 200
+
+
+REBOUND = ["attacker.example", "attacker.example:8100", "127.0.0.1.nip.io:8100", "localhost.attacker.example",
+           "localhost:abc", "[2001:db8::1]:8100", "[::1]x", "10.0.0.7", "", "testserver"]
+
+
+@pytest.mark.parametrize("host", REBOUND)
+def test_without_a_key_a_foreign_host_header_is_refused(store: Store, host: str) -> None:
+    """DNS rebinding: a page on attacker.example, re-resolved to 127.0.0.1, sends the reviewer's
+    own browser here from loopback but with its own name in Host. Nothing may be read or written."""
+    ids = fill(store, 2)
+    c = client(store)
+    token = csrf(c)  # a real token from the real page (the attacker cannot even get this far)
+    bad = {"host": host}
+    for path in ("/", f"/items/{ids[0]}", "/export.jsonl", "/static/review.js"):
+        r = c.get(path, headers=bad)
+        assert r.status_code == 403, path
+        err = r.json()["error"]
+        assert err["code"] == "loopback_host_only" and "Host" in err["message"] and "loopback" in err["message"]
+        assert "x-guarduq-rows" not in r.headers and "set-cookie" not in r.headers
+    assert "guarduq-labels" not in c.get("/export.jsonl", headers=bad).text
+    for label in ("right", "wrong"):
+        r = c.post(f"/items/{ids[0]}/label", data={"label": label, "csrf": token}, headers=bad)
+        assert r.status_code == 403
+    assert c.post("/reviewer", data={"reviewer": "eve", "csrf": token}, headers=bad).status_code == 403
+    assert store.item(ids[0]).labels == []
+    r = c.get("/", headers={**bad, "accept": "text/html"})  # a browser gets the message as a page
+    assert r.status_code == 403 and r.headers["content-type"].startswith("text/html") and "Host" in r.text
+    # the same browser under a loopback name is answered
+    assert c.get("/").status_code == 200
+    assert c.post(f"/items/{ids[0]}/label", data={"label": "right", "csrf": token}).status_code == 200
+    assert store.item(ids[0]).current.label == "right"
+
+
+def test_a_missing_host_header_is_refused(store: Store) -> None:
+    import asyncio
+
+    fill(store, 1)
+    app = create_review_app(store)
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "http_version": "1.0", "method": "GET", "path": "/", "raw_path": b"/",
+             "root_path": "", "scheme": "http", "query_string": b"", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8100)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 403
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:8100", "LOCALHOST.", "127.0.0.1", "127.0.0.1:8100",
+                                  "127.9.9.9:1", "[::1]", "[::1]:8100", "::1"])
+def test_without_a_key_loopback_host_headers_are_answered(store: Store, host: str) -> None:
+    fill(store, 1)
+    c = client(store)
+    r = c.get("/", headers={"host": host})
+    assert r.status_code == 200 and "set-cookie" in r.headers
+    assert c.get("/export.jsonl", headers={"host": host}).status_code == 200
+
+
+def test_host_header_is_not_checked_with_keys_or_when_told(store: Store) -> None:
+    fill(store, 1)
+    # with keys, the key is the guard (a rebinding page has none); any name may front the page
+    keyed = client(store, api_keys=(KEY,))
+    assert keyed.get("/", headers={"host": "attacker.example"}).status_code == 401
+    assert keyed.get("/", headers={"host": "reviews.example.com", "authorization": f"Bearer {KEY}"}).status_code == 200
+    # --allow-unauthenticated-remote opens the page to every client, under every name
+    open_ = client(store, host=("10.0.0.7", 1), allow_unauthenticated_remote=True)
+    assert open_.get("/", headers={"host": "reviews.example.com"}).status_code == 200
+
+
+@pytest.mark.parametrize("header, name", [
+    ("localhost", "localhost"), ("LocalHost:8100", "localhost"), ("localhost.", "localhost"),
+    ("127.0.0.1:80", "127.0.0.1"), ("[::1]", "::1"), ("[::1]:8100", "::1"), ("::1", "::1"),
+    (" example.com ", "example.com"), (None, None), ("", None), (":8100", None), ("a:b", None),
+    ("[::1", None), ("[::1]x", None), ("[::1]:", None), ("[::1]:p", None),
+])
+def test_host_name(header: str | None, name: str | None) -> None:
+    assert host_name(header) == name
 
 
 def test_remote_allowed_when_told(store: Store) -> None:
@@ -81,7 +164,7 @@ def test_api_key(store: Store) -> None:
 def test_csrf_refusals(store: Store) -> None:
     ids = fill(store, 2)
     app = create_review_app(store)
-    c = TestClient(app, client=LOOPBACK)
+    c = page_client(app)
     token = csrf(c)
     other = Csrf().mint()  # well-formed, signed by another secret
     forged = token.split(".")[0] + "." + "0" * 64
@@ -93,7 +176,7 @@ def test_csrf_refusals(store: Store) -> None:
         (token, Csrf().mint()),  # a cookie from elsewhere
     ]
     for field, cookie in cases:
-        fresh = TestClient(app, client=LOOPBACK)  # the same app (the same secret), another browser
+        fresh = page_client(app)  # the same app (the same secret), another browser
         if cookie is not None:
             fresh.cookies.set("guarduq_review_csrf", cookie)
         data = {"label": "right"} | ({"csrf": field} if field is not None else {})
@@ -132,6 +215,52 @@ def test_a_fixed_secret_survives_a_restart(store: Store) -> None:
     again = client(store, csrf_secret=secret)
     again.cookies.set("guarduq_review_csrf", token)
     assert again.post("/items/req0000/label", data={"label": "right", "csrf": token}).status_code == 200
+
+
+def test_replicas_sharing_keys_accept_each_others_tokens(store: Store) -> None:
+    """Behind a load balancer, ``serve --review`` replicas share keys, not a process: the CSRF
+    secret is derived from the keys, so a token minted by one verifies on the others."""
+    ids = fill(store, 3)
+    bearer = {"authorization": f"Bearer {KEY}"}
+    one = client(store, api_keys=(KEY, "x" * 20))
+    token = one.get("/", headers=bearer).cookies.get("guarduq_review_csrf")
+    assert token
+    # another instance with the same keys (in another order, one repeated): the token verifies
+    two = client(store, api_keys=("x" * 20, KEY, KEY))
+    two.cookies.set("guarduq_review_csrf", token)
+    r = two.post(f"/items/{ids[0]}/label", data={"label": "wrong", "csrf": token}, headers=bearer,
+                 follow_redirects=False)
+    assert r.status_code == 303 and store.item(ids[0]).current.label == "wrong"
+    assert two.get("/", headers=bearer).cookies.get("guarduq_review_csrf") is None  # kept, not re-minted
+    # an instance with other keys does not accept it
+    other = client(store, api_keys=(KEY, "y" * 20))
+    other.cookies.set("guarduq_review_csrf", token)
+    r = other.post(f"/items/{ids[1]}/label", data={"label": "wrong", "csrf": token}, headers=bearer)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_invalid"
+    assert store.item(ids[1]).labels == []
+    # an explicit secret wins over the keys
+    fixed = client(store, api_keys=(KEY, "x" * 20), csrf_secret=b"s" * 32)
+    fixed.cookies.set("guarduq_review_csrf", token)
+    assert fixed.post(f"/items/{ids[1]}/label", data={"label": "right", "csrf": token},
+                      headers=bearer).status_code == 403
+    # without keys (loopback, one process) each instance keeps its own random secret
+    a, b = client(store), client(store)
+    t = csrf(a)
+    b.cookies.set("guarduq_review_csrf", t)
+    assert b.post(f"/items/{ids[1]}/label", data={"label": "right", "csrf": t}).status_code == 403
+    assert store.item(ids[1]).labels == []
+
+
+def test_csrf_secret_from_keys() -> None:
+    s = csrf_secret_from_keys((KEY, "x" * 20))
+    assert len(s) == 32 and s == csrf_secret_from_keys(("x" * 20, KEY)) == csrf_secret_from_keys((KEY, KEY, "x" * 20))
+    assert s != csrf_secret_from_keys((KEY,)) and s != csrf_secret_from_keys((KEY, "x" * 21))
+    assert csrf_secret_from_keys(("ab", "c")) != csrf_secret_from_keys(("a", "bc"))  # unambiguous input
+    assert KEY.encode() not in s
+    with pytest.raises(ValueError):
+        csrf_secret_from_keys(())
+    with pytest.raises(Exception, match="at least 16 bytes"):
+        ReviewPageSettings(csrf_secret=b"short")
 
 
 def test_text_is_escaped(store: Store) -> None:
@@ -185,5 +314,5 @@ def test_store_failure_is_a_503_not_a_traceback(store: Store) -> None:
     fill(store, 1)
     app = create_review_app(store)
     store.close()
-    r = TestClient(app, client=("127.0.0.1", 1)).get("/")
+    r = page_client(app, ("127.0.0.1", 1)).get("/")
     assert r.status_code == 503 and "store" in r.json()["error"]["message"]
