@@ -10,7 +10,9 @@ alpha = 0.7 guarantee (error rate among accepted answers <= 0.7) holds there.
   of the artifact's held-out TruthfulQA items (by id hash) are taken out of the reference and
   serve as its fresh items;
 * **one in-mix dataset** (should read ``slice:<dataset>``): fresh items of one of them;
-* **left out** (should read ``unseen``): SST-2 sentiment as a two-option question.
+* **left out** (should read ``unseen``): SST-2 sentiment as a two-option question;
+* **leave one dataset out** (:func:`lodo`): per in-mix dataset with fresh items, a calibrator
+  refitted on the fresh items of the others, and windows of the left-out one against its reference.
 
 Fresh items are scored by ``benchmarks/drift_score.py`` (the real model) into
 ``runs/cache/drift/``; this script loads no model:
@@ -286,6 +288,176 @@ def is_degraded(r: dict[str, Any], auroc_floor: float) -> bool:
     return (not r["held"]) or (math.isfinite(r["auroc"]) and r["auroc"] < auroc_floor)
 
 
+# --------------------------------------------------------------------------- leave one dataset out
+
+LODO_FEATURES = "same-pass"  # the shipped set: the fresh caches carry the grad profile it needs
+LODO_QUICK_FEATURES = "log_epistemic,aleatoric,mean_logprob"
+
+
+def lodo_part(ident: str) -> str:
+    """Which part of a fresh item a LODO refit uses: ``fit`` (half), ``ref`` (a quarter: the α
+    thresholds and the drift reference) or ``probe`` (a quarter: the in-distribution windows)."""
+    if hash_unit(ident, "lodo-fit") < 0.5:
+        return "fit"
+    return "ref" if hash_unit(ident, "lodo-ref") < 0.5 else "probe"
+
+
+def lodo_real_records() -> dict[str, list[dict[str, Any]]]:
+    """Fresh scored items of the in-mix datasets (SST-2 is not in the mix; TruthfulQA has no
+    fresh items with the grad profile: its held-aside half is ``evaluation_data`` only)."""
+    from guarduq.calibration.evaluation import ScoreCache
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted(glob.glob(str(CACHES / "*.jsonl"))):
+        items = [r for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+        if items and items[0].dataset not in LEFT_OUT:
+            out[items[0].dataset] = [{"id": r.id, "scores": r.scores, "label": int(r.label)} for r in items]
+    return out
+
+
+def lodo_quick_records(seed: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """Synthetic: four groups whose risk follows ``log_epistemic``, and a far group ``e`` where
+    it runs backwards (left out, it should read ``unseen`` and degrade)."""
+    rng = np.random.default_rng(seed)
+    centres = {"a": (0, 0, 0), "b": (2, 0, -1), "c": (0, 2, 1), "d": (-2, -1, 0), "e": (4, 3, 3)}
+    out = {}
+    for g, c in centres.items():
+        x = rng.normal(c, 0.7, size=(200, 3))
+        p_wrong = 1 / (1 + np.exp(-2 * (x[:, 0] - c[0])))
+        wrong = rng.random(200) < (1 - p_wrong if g == "e" else p_wrong)
+        out[g] = [{"id": f"{g}{i}", "label": int(not w),
+                   "scores": {"epistemic": math.exp(r[0]), "aleatoric": r[1], "mean_logprob": r[2],
+                              "mean_token_prob": math.exp(r[2]), "valid": True}}
+                  for i, (r, w) in enumerate(zip(x, wrong, strict=True))]
+    return out
+
+
+def _lodo_pool(name: str, items: list[tuple[str, dict[str, Any]]], features: tuple[str, ...],
+               cal: Any) -> Pool:
+    from guarduq.calibration.features import FEATURES as F
+
+    def val(s: dict[str, Any], f: str) -> float:
+        try:
+            return float(F[f](s))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return math.nan
+
+    scores = [r["scores"] for _, r in items]
+    return Pool(name, np.array([[val(s, f) for f in features] for s in scores]).reshape(len(items), len(features)),
+                cal.predict_risk(scores), np.array([1 - r["label"] for _, r in items], dtype=float),
+                np.array([d for d, _ in items]))
+
+
+def lodo(records: dict[str, list[dict[str, Any]]], features: str, *, size: int, count: int,
+         seed: int = 3) -> dict[str, Any]:
+    """For each dataset D: refit the calibrator without D, certify α on held-out items of the
+    others, build the drift reference the way an artifact's is (``evaluate`` → ``attach_evaluation``
+    → ``to_dict`` → ``reference_from_artifact``), then classify windows of D's items and of the
+    others' probe items, with AUROC and the α guarantee of the refit on each window."""
+    from guarduq.calibration.analysis import bootstrap_auroc
+    from guarduq.calibration.calibrator import Calibrator
+    from guarduq.calibration.drift import reference_from_artifact
+
+    rng = np.random.default_rng(seed)
+    part = {d: [lodo_part(f"{d}:{r['id']}") for r in rs] for d, rs in records.items()}
+    folds: dict[str, Any] = {}
+    for left in tqdm(records, desc="LODO refits", file=sys.stderr):
+        def sel(k: str, left: str = left) -> list[tuple[str, dict[str, Any]]]:
+            return [(d, r) for d in records if d != left for r, p in zip(records[d], part[d], strict=True) if p == k]
+
+        fit, ref, probe = sel("fit"), sel("ref"), sel("probe")
+        cal = Calibrator(features)
+        cal.fit([r["scores"] for _, r in fit], [r["label"] for _, r in fit])
+        cal.fit_thresholds([r["scores"] for _, r in ref], [r["label"] for _, r in ref], alphas=(ALPHA,))
+        thr = cal.threshold_for(ALPHA)
+        cal.attach_evaluation(cal.evaluate([r["scores"] for _, r in ref], [r["label"] for _, r in ref],
+                                           datasets=[d for d, _ in ref]))
+        grouped = reference_from_artifact(cal.to_dict(), f"LODO without {left}").grouped
+        if grouped is None:
+            continue
+        clf = CaseClassifier(grouped, window=size)
+        t = -math.inf if thr is None else float(thr)
+        fold: dict[str, Any] = {"n_fit": len(fit), "n_ref": dict(Counter(d for d, _ in ref)), "n_probe": len(probe),
+                                "threshold": thr, "C": cal.C_, "features": list(cal.features),
+                                "ref_features": list(grouped.features), "case_thresholds": clf.thresholds.to_dict()}
+        for name, items in (("left-out", [(left, r) for r in records[left]]), ("mix", probe)):
+            pool = _lodo_pool(name, items, grouped.features, cal)
+            a, lo, hi = bootstrap_auroc(pool.wrong, pool.risk, n_boot=500, seed=seed)
+            cov, err, held = guarantee(pool, t)
+            whole = clf.classify({f: pool.x[:, j] for j, f in enumerate(grouped.features)}) if pool.n >= size else None
+            rows = []
+            for win in windows(pool, size, count, rng, replace=False) if pool.n >= size else []:
+                c = clf.classify({f: win.x[:, j] for j, f in enumerate(grouped.features)})
+                wc, we, wh = guarantee(win, t)
+                rows.append({"label": c.label, "auroc": auroc(win.wrong, win.risk), "coverage": wc, "error": we, "held": wh})
+            cases = Counter(r["label"] for r in rows)
+            au = np.array([r["auroc"] for r in rows], dtype=float)
+            alarm = sum(r["label"] != "ok" for r in rows)
+            fold[name] = {"n": pool.n, "wrong": float(pool.wrong.mean()),
+                          "auroc": a, "auroc_ci": (lo, hi), "coverage": cov, "error": err, "held": held,
+                          "whole_case": whole.label if whole else None, "windows": len(rows),
+                          "cases": dict(cases.most_common()), "alarm": alarm / max(len(rows), 1),
+                          "alarm_ci": wilson(alarm, len(rows)),
+                          "auroc_median": float(np.nanmedian(au)) if np.isfinite(au).any() else math.nan,
+                          "auroc_q": [float(np.nanpercentile(au, q)) for q in (10, 90)] if np.isfinite(au).any() else [math.nan] * 2,
+                          "window_held": float(np.mean([r["held"] for r in rows])) if rows else math.nan,
+                          "window_error_median": float(np.nanmedian([r["error"] for r in rows])) if rows else math.nan,
+                          "window_coverage_median": float(np.median([r["coverage"] for r in rows])) if rows else math.nan}
+        folds[left] = fold
+    fa = sum(round(f["mix"]["alarm"] * f["mix"]["windows"]) for f in folds.values())
+    nw = sum(f["mix"]["windows"] for f in folds.values())
+    return {"features": features, "size": size, "count": count, "folds": folds,
+            "mix_false_alarm": fa / max(nw, 1), "mix_false_alarm_ci": wilson(fa, nw), "mix_windows": nw}
+
+
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def lodo_report(res: dict[str, Any]) -> list[str]:
+    folds = res["folds"]
+    if not folds:
+        return []
+    any_fold = next(iter(folds.values()))
+    lines = [f"### Leave one dataset out (windows of {res['size']} without replacement, {res['count']} per source)", "",
+             f"Per left-out dataset D: a calibrator (`{res['features']}`: {', '.join(any_fold['features'])}) fitted "
+             "on the fresh items of the other datasets with `hash_unit(id, \"lodo-fit\") < 0.5`, α = 0.7 certified "
+             "on half of the rest (`ref`), the drift reference built from the same `ref` items through "
+             "`evaluate` → `attach_evaluation` → `to_dict` → `reference_from_artifact` (features "
+             f"{', '.join(any_fold['ref_features'])}), and the last quarter (`probe`) kept for in-distribution "
+             "windows. D's items: all its fresh items, never seen by that refit.", "",
+             "| left out | n fit / ref / probe | α = 0.7 threshold (risk ≤) | D: n, wrong | D whole pool: case, AUROC [95%] | "
+             "D windows read | D windows: median AUROC [10–90%] | D: guarantee held (pool; windows) | "
+             "mix windows read | mix: median AUROC | mix: guarantee held (windows) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d, f in folds.items():
+        L, M = f["left-out"], f["mix"]
+
+        def shares(v: dict[str, Any]) -> str:
+            return ", ".join(f"{k} {c / max(v['windows'], 1):.2f}" for k, c in v["cases"].items()) or "n/a"
+
+        ci = L["auroc_ci"]
+        if f["threshold"] is None:  # nothing certified: every answer abstains, the guarantee is vacuous
+            pool_held, mix_held = "not certified (nothing accepted)", "n/a (not certified)"
+        else:
+            pool_held = (f"{'held' if L['held'] else 'FAILS'} (cov {L['coverage']:.2f}, err {_f(L['error'])}); "
+                         f"{_f(L['window_held'])}")
+            mix_held = f"{_f(M['window_held'])} (median cov {_f(M['window_coverage_median'])})"
+        lines.append(
+            f"| {d} | {f['n_fit']} / {sum(f['n_ref'].values())} / {f['n_probe']} | {_f(f['threshold'], '.3f')} | "
+            f"{L['n']}, {L['wrong']:.2f} | {L['whole_case'] or 'n/a'}, {_f(L['auroc'])} [{_f(ci[0])}, {_f(ci[1])}] | "
+            f"{shares(L)} | {_f(L['auroc_median'])} [{_f(L['auroc_q'][0])}, {_f(L['auroc_q'][1])}] | "
+            f"{pool_held} | {shares(M)} | {_f(M['auroc_median'])} | {mix_held} |")
+    lo, hi = res["mix_false_alarm_ci"]
+    lines += ["", f"* In-distribution false alarms of the refit references (probe windows not read `ok`), all folds: "
+              f"{res['mix_false_alarm']:.3f} [{_f(lo, '.3f')}, {_f(hi, '.3f')}] of {res['mix_windows']} windows; per fold: "
+              + ", ".join(f"without {d} {f['mix']['alarm']:.2f} (probe pool {f['mix']['n']})" for d, f in folds.items()) + ".",
+              "* Reference groups (`ref` items per dataset): "
+              + "; ".join(f"without {d}: " + ", ".join(f"{g} {n}" for g, n in f["n_ref"].items()) for d, f in folds.items()) + ".",
+              ""]
+    return lines
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -389,7 +561,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
 
 def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, results: list[dict[str, Any]],
-           summaries: list[dict[str, Any]], auroc_floor: float, png: str) -> str:
+           summaries: list[dict[str, Any]], auroc_floor: float, png: str,
+           lodo_res: dict[str, Any] | None = None) -> str:
     lines = [f"Reference: {info['reference']}; fresh items from `runs/cache/drift/` (model fingerprint "
              f"{info.get('fingerprint', 'n/a')}); α = {ALPHA} threshold risk ≤ {threshold:.3f}. "
              f"A window is **degraded** when the α guarantee clearly fails on it (the 95% Wilson lower "
@@ -422,6 +595,8 @@ def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, resul
                     + f" | {v['guarantee_failed']} | {v['auroc_below']} | {v['auroc_median']:.2f} | "
                     + ", ".join(f"{k} {n}" for k, n in v["sources"].items()) + " |"
                     for c, v in s["by_case"].items()], ""]
+    if lodo_res:
+        lines += lodo_report(lodo_res)
     lines += [f"![cases per source and AUROC against distance]({png})"]
     return "\n".join(lines)
 
@@ -445,20 +620,26 @@ def main(argv: list[str] | None = None) -> int:
                run(ref, pools, threshold, size=args.small, count=args.count, replace=False, seed=1),
                run(ref, pools, threshold, size=args.size, count=args.count, replace=False, seed=2)]
     results = [r for r in results if r["rows"]]  # without replacement: only pools of >= size items
+    lodo_res = lodo(lodo_quick_records() if args.quick else lodo_real_records(),
+                    LODO_QUICK_FEATURES if args.quick else LODO_FEATURES, size=args.small, count=args.count)
     summaries = [summarize(r, args.auroc_floor) for r in results]
     name = "drift_quick" if args.quick else "drift"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, args.out_dir / f"{name}.png")
-    body = report(info, pools, threshold, results, summaries, args.auroc_floor, f"{name}.png")
+    body = report(info, pools, threshold, results, summaries, args.auroc_floor, f"{name}.png", lodo_res)
     write_page(args.out_dir / f"{name}.md", body, "Drift that predicts trouble: ok, slice or unseen")
     (args.out_dir / f"{name}.json").write_text(json.dumps(
         {"info": {k: v for k, v in info.items() if k != "shipped"}, "summaries": summaries,
-         "thresholds": [r["thresholds"] for r in results]}, indent=1, default=float))
+         "thresholds": [r["thresholds"] for r in results], "lodo": lodo_res}, indent=1, default=float))
     for s, r in zip(summaries, results, strict=True):
         print(f"windows of {r['size']} ({'with' if r['replace'] else 'without'} replacement):")
         for src, v in s["per_source"].items():
             print(f"  {src:<16} {v['expected']:<22} correct {v['correct']:.2f} alarm {v['alarm']:.2f} "
                   f"cases {v['cases']}")
+    for d, f in lodo_res["folds"].items():
+        L = f["left-out"]
+        print(f"  LODO without {d:<14} cases {L['cases']} AUROC {L['auroc']} held {L['held']} "
+              f"mix alarm {f['mix']['alarm']:.2f}")
     print(f"wrote {args.out_dir / name}.md")
     return 0
 

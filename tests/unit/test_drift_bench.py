@@ -53,3 +53,14 @@ def test_group_windows_without_replacement_read_their_slice(out: Path) -> None:
         v = small["per_source"][g]
         assert v["expected"] == f"slice:{g}" and v["alarm"] == 1.0
         assert v["correct"] >= 0.5
+
+
+def test_leave_one_dataset_out_refits(out: Path) -> None:
+    res = json.loads((out / "drift_quick.json").read_text())["lodo"]
+    assert set(res["folds"]) == set("abcde")
+    for d, f in res["folds"].items():
+        assert d not in f["n_ref"] and f["left-out"]["windows"] > 0 and f["mix"]["windows"] > 0
+    far = res["folds"]["e"]["left-out"]  # far from every other group, its risk runs backwards
+    assert far["cases"].get("unseen", 0) / far["windows"] >= 0.9 and far["auroc"] < 0.5
+    assert 0.0 <= res["mix_false_alarm"] <= 1.0 and res["mix_windows"] > 0
+    assert "Leave one dataset out" in (out / "drift_quick.md").read_text()
