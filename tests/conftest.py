@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +141,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if os.environ.get("FUZZ_OUTCOMES"):  # how each boundary's inputs ended (ok / which error)
         for outcome, n in sorted(OUTCOMES.items()):
             terminalreporter.write_line(f"  {outcome:<60} {n:>8,}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama and its chat tokenizer saved as an HF folder (for CLI tests: --model DIR)."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(d)
+    make_tokenizer(chat_template=True).save_pretrained(d)
+    return d
 
 
 # --------------------------------------------------------------------------- PostgreSQL

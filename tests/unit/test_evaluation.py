@@ -250,14 +250,6 @@ def test_corruption_inside_the_cache_is_an_error(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- real tiny model
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(seed=0).save_pretrained(d)
-    make_tokenizer(chat_template=True).save_pretrained(d)
-    return d
-
-
 WORKER = textwrap.dedent(
     """
     import sys, time

@@ -20,7 +20,6 @@ from guarduq.calibration.evaluation import ScoreCache
 from guarduq.cli import main
 from guarduq.errors import StorageError
 from guarduq.policy.audit import AuditLog
-from tests.conftest import make_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 N_ITEMS = 40
@@ -41,14 +40,6 @@ SLOW_CLI = textwrap.dedent(
     sys.exit(main(sys.argv[2:]))
     """
 )
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(seed=0).save_pretrained(d)
-    make_tokenizer(chat_template=True).save_pretrained(d)
-    return d
 
 
 def _data(tmp_path: Path) -> Path:

@@ -16,20 +16,11 @@ from guarduq.calibration.datasets import split_of  # noqa: E402
 from guarduq.cli import main  # noqa: E402
 from guarduq.store import Store  # noqa: E402
 from guarduq.store.records import Sample  # noqa: E402
-from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
 from tests.review.conftest import reply  # noqa: E402
 
 UNIFORM = Sample(("uniform",), True, 0.5, 0.0, 0.5)
 BAND = Sample(("band",), False, 0.5, 0.5, 0.75)
 FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(seed=0).save_pretrained(d)
-    make_tokenizer(chat_template=True).save_pretrained(d)
-    return d
 
 
 def labelled_store(path: Path, n_uniform: int, n_band: int, label_uniform_every: int = 1
