@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+BOOLQ = Path(os.environ.get("GUARDUQ_DATA", ROOT.parent / "shared" / "data")) / "boolq" / "dev.jsonl"
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not BOOLQ.is_file(), reason=f"its prompts are BoolQ passages: {BOOLQ} not found (set GUARDUQ_DATA)")
 def test_long_context_quick_runs_every_table(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     sys.modules.pop("long_context", None)
