@@ -81,7 +81,9 @@ class Traffic:
         review sample.
 
         ``tokens()`` gives the reply's token pieces, kept with the text for shading by
-        probability (called on the writer thread, only when the text is kept).
+        probability. It is called here, on the caller's thread, and only when the text is kept:
+        a tokenizer is not safe to share between threads (a Rust tokenizer raises "Already
+        borrowed" when one thread pads a batch while another decodes).
         """
         s = self.settings
         if policy is not s.policy:  # a reload swapped the policy: take its review settings
@@ -90,8 +92,9 @@ class Traffic:
         escalated = d is not None and d.action == "escalate"
         sample = s.sampler.draw(r.risk, escalated) if s.sampler is not None else None
         keep = s.log_text or (s.keep_text and sample is not None and sample.sampled)
+        pieces = _pieces(tokens, r.request_id) if keep else None
         try:
-            self._queue.put_nowait((r, policy, calibrator_sha256, tokens, sample, keep, escalated))
+            self._queue.put_nowait((r, policy, calibrator_sha256, pieces, sample, keep, escalated))
         except queue.Full:
             self.dropped_ += 1
             log.error("store_write_dropped", request_id=r.request_id, pending=self._queue.qsize(),
@@ -132,7 +135,7 @@ def _settings(policy: Any | None) -> _Settings:
     )
 
 
-def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, tokens: Callable[[], list[str]],
+def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, pieces: list[str] | None,
            sample: Sample | None, keep: bool, escalated: bool) -> tuple[ReplyRecord, Sample | None]:
     """The store's record of ``r``: text only when ``keep``."""
     from guarduq.store.records import ReplyRecord
@@ -156,7 +159,7 @@ def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, tokens: Ca
         second_opinion=_second_opinion(d),
         prompt=_prompt(r.prompt) if keep else None,
         response=r.text if keep else None,
-        tokens=_pieces(tokens, r.request_id) if keep else None,
+        tokens=pieces,
         token_probs=[float(p) for p in r.scores.token_probs] if keep else None,
         ended=r.ended,
     )
