@@ -182,6 +182,9 @@ def check_store(url: str, answered: list[str], sampler: Any) -> tuple[dict[str, 
         "replies_in_band": int(in_band),
         "items_without_text": sum(1 for it in full
                                   if it is None or it.reply.prompt is None or it.reply.response is None),
+        # a blank reply has no token pieces (it is still recorded with its text); any other
+        # sampled item should have them, for the review page's shading by probability
+        "items_without_pieces": sum(1 for it in full if it is not None and not it.reply.tokens),
         "unsampled_with_text": sum(1 for r in replies if r.request_id not in item_ids
                                    and (r.prompt is not None or r.response is not None)),
     }
@@ -212,6 +215,18 @@ def time_record(url: str, replies: list[Any], sampler: Any, n: int) -> dict[str,
 # --------------------------------------------------------------------------- report
 
 
+def commit() -> dict[str, Any]:
+    """The code measured: HEAD and whether the working tree differed from it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD") or None,
+            "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -239,7 +254,7 @@ LABELS = {"none": "no store", "sqlite": "`--store sqlite:///…/store.db`", "pos
 
 def store_table(report: dict[str, Any]) -> str:
     rows = ["| store | answered | recorded | review items (expected ± sd) | uniform (expected ± sd) | band | "
-            "items without text | other replies with text | `Store.record` median / p95 (n) |",
+            "items without text (without token pieces) | other replies with text | `Store.record` median / p95 (n) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in report["configs"]:
         if name == "none":
@@ -248,7 +263,7 @@ def store_table(report: dict[str, Any]) -> str:
         rows.append(
             f"| {name} | {c['answered']} | {c['recorded']} | {c['items']} ({c['items_expected']:.1f} ± "
             f"{c['items_sd']:.1f}) | {c['by_reason']['uniform']} ({c['uniform_expected']:.1f} ± {c['uniform_sd']:.1f}) "
-            f"| {c['by_reason']['band']} of {c['replies_in_band']} in band | {c['items_without_text']} "
+            f"| {c['by_reason']['band']} of {c['replies_in_band']} in band | {c['items_without_text']} ({c.get('items_without_pieces', '-')}) "
             f"| {c['unsampled_with_text']} | {t['median_ms']:.2f} / {t['p95_ms']:.2f} ms ({t['n']}) |")
     return "\n".join(rows)
 
@@ -303,13 +318,21 @@ def page(report: dict[str, Any], command: str) -> str:
             "text for the reviewers, and no other reply kept any."
             if all(report[c]["store"]["ok"] for c in stores) else
             "**A store check failed**: see the table above and the raw figures.")
+    c0 = report[stores[0]]["store"]
+    sample_size = (
+        f"**The review sample is {c0['items'] / c0['recorded']:.0%} of replies, not {report['review']['rate']:.0%}.** "
+        f"With the shipped calibrator {c0['replies_in_band'] / c0['recorded']:.0%} of these replies' risks fall in "
+        "the band, which adds its rate on top of the uniform draw, so the stores kept prompt and reply "
+        "text (and token pieces) for that share of the traffic; the throughput above includes those "
+        "heavier writes. (The uniform draw alone, the part a certificate rests on, is "
+        f"{c0['by_reason']['uniform'] / c0['recorded']:.0%}.)") if c0["recorded"] else ""
     skipped = f"\n\nPostgreSQL was not run: {report['postgresql_skipped']}." if report.get("postgresql_skipped") else ""
     return f"""# Serving with the store on: throughput and what the store holds
 
 The issue item: `benchmarks/serve.py`'s load with the store on (SQLite and PostgreSQL) and 10%
 review sampling, {report['clients']} clients x {report['requests_per_client']} requests, fails
 nothing and keeps at least {GOAL}x the throughput of the same run without a store. One run of
-`benchmarks/store_load.py` on {report['machine']}, torch {report['torch']}, {report['model']}
+`benchmarks/store_load.py` (commit {report.get('commit') or '?'}{' + uncommitted changes' if report.get('tree_modified') else ''}) on {report['machine']}, torch {report['torch']}, {report['model']}
 (fp32), `{report['policy']}` (a uniform {report['review']['rate']:.0%} of replies plus
 {report['review']['bands']}; sampled replies keep their text), an audit log in every
 configuration, batching on (the default):
@@ -351,11 +374,13 @@ database with the run's own replies as templates.
 
 ## Reading
 
-* **Where the time goes.** One `record` per reply costs {rec} (median), on the server's one
-  engine thread, after the reply is decided and audited. A reply costs that thread about
+* **Where the time goes.** One `record` per reply costs {rec} (median), on the store's writer
+  thread beside the engine: the engine thread only draws the review sample and, for a sampled
+  reply, decodes its token pieces, then queues the write. A reply costs the engine about
   {per_reply_ms:.0f} ms of generation and scoring (1 / {none['rps']:.2f} requests/s with batching), so the
   store adds about {share} of the work per reply. {spread}
 * {held}
+* {sample_size}
 * The latencies are queueing ({report['clients']} clients share one model on {report['cpus']} cores), as in
   [serve.md](serve.md); compare the ratio, measured within one run, not the absolute figures.
 
@@ -371,8 +396,7 @@ def _spread(report: dict[str, Any], stores: list[str]) -> str:
     spread = (max(rounds) - min(rounds)) / statistics.mean(rounds)
     off = max(abs(1 - report[c]["ratio_to_none"]) for c in stores)
     return (f"The ratios are at most {off:.1%} from 1; the no-store server's own throughput moved by "
-            f"{spread:.1%} between its rounds (the shared machine's load): a difference of that size "
-            "is noise, not the store.")
+            f"{spread:.1%} between its rounds: a difference of that size is run-to-run noise, not the store.")
 
 
 # --------------------------------------------------------------------------- main
@@ -409,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": max_tokens, "policy": _relative(str(policy)),
         "review": {"rate": sampler.rate, "bands": ", ".join(f"{r:.0%} of the replies with risk in [{lo}, {hi}]"
                                                     for lo, hi, r in sampler.bands)},
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "out": str(out), **machine(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "out": str(out), **machine(), **commit(),
     }
     skip = "--no-postgres" if args.no_postgres else unavailable()
     configs = [c for c in CONFIGS if not (c == "postgresql" and skip)]
