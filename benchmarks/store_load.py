@@ -320,12 +320,11 @@ def page(report: dict[str, Any], command: str) -> str:
             "**A store check failed**: see the table above and the raw figures.")
     c0 = report[stores[0]]["store"]
     sample_size = (
-        f"**The review sample is {c0['items'] / c0['recorded']:.0%} of replies, not {report['review']['rate']:.0%}.** "
-        f"With the shipped calibrator {c0['replies_in_band'] / c0['recorded']:.0%} of these replies' risks fall in "
-        "the band, which adds its rate on top of the uniform draw, so the stores kept prompt and reply "
-        "text (and token pieces) for that share of the traffic; the throughput above includes those "
-        "heavier writes. (The uniform draw alone, the part a certificate rests on, is "
-        f"{c0['by_reason']['uniform'] / c0['recorded']:.0%}.)") if c0["recorded"] else ""
+        f"**The review sample is {c0['items'] / c0['recorded']:.0%} of replies:** the uniform draw "
+        f"({c0['by_reason']['uniform'] / c0['recorded']:.0%}, the part a certificate rests on) plus the band, "
+        f"which held {c0['replies_in_band'] / c0['recorded']:.0%} of these replies' risks with the shipped "
+        "calibrator. Sampled replies keep their prompt, reply and token pieces, so the throughput above "
+        "includes those heavier writes.") if c0["recorded"] else ""
     skipped = f"\n\nPostgreSQL was not run: {report['postgresql_skipped']}." if report.get("postgresql_skipped") else ""
     return f"""# Serving with the store on: throughput and what the store holds
 
