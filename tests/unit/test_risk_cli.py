@@ -12,26 +12,17 @@ import pytest
 from guarduq.calibration import Calibrator
 from guarduq.calibration.evaluation import ScoreCache
 from guarduq.cli import main
-from tests.conftest import make_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_logs.jsonl"
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(seed=0).save_pretrained(d)
-    make_tokenizer(chat_template=True).save_pretrained(d)
-    return d
-
-
-def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_dir: Path,
+def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_model_dir: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     rows = [json.loads(x) for x in EXAMPLE.read_text().splitlines()]
     assert 10 <= len(rows) <= 20 and {r["label"] for r in rows} == {0, 1}
     out = tmp_path / "cal.json"
-    rc = main(["calibrate", "--model", str(tiny_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
                "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(out)])
     assert rc == 0
     cap = capsys.readouterr()
@@ -44,8 +35,8 @@ def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_dir: Pa
         assert f"{f:>20s}  {c:+.3f}" in cap.out  # every coefficient printed with its sign
 
 
-def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["--model", str(tiny_dir), "--dataset", "jsonl", "--data", str(EXAMPLE), "--no-progress",
+def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE), "--no-progress",
               "--runs-dir", str(tmp_path / "runs"), "--json"]
     assert main(["calibrate", *common, "--features", "likelihood", "--C", "0.5", "--out", str(tmp_path / "a.json")]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -69,7 +60,7 @@ def _arc_rows(n: int) -> list[dict]:
         for i in range(n)]
 
 
-def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_dir: Path,
+def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_model_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from guarduq.calibration.analysis import available, select_features
     from guarduq.calibration.datasets import split_of
@@ -77,7 +68,7 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_d
 
     arc = tmp_path / "arc.jsonl"
     arc.write_text("".join(json.dumps(r) + "\n" for r in _arc_rows(60)))
-    common = ["--model", str(tiny_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs")]
+    common = ["--model", str(tiny_model_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs")]
     one = ["--dataset", "jsonl", "--data", str(EXAMPLE)]
     # One dataset: refused before any scoring, with the reason.
     assert main(["calibrate", *common, *one, "--features", "sign-stable", "--out", str(tmp_path / "x.json")]) == 2
