@@ -1,15 +1,17 @@
-"""``guarduq policy check FILE`` and ``guarduq policy explain FILE --prompt ... [--response ...]``."""
+"""``guarduq policy check [--strict] FILE`` and ``guarduq policy explain FILE --prompt ... [--response ...]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from guarduq.cli._help import with_example
 from guarduq.policy import Policy, validate_policy_text
+from guarduq.policy.certified import ThresholdReport, check_policy_thresholds
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,9 +19,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        **with_example("guarduq policy check policies/default.yaml"))
     psub = p.add_subparsers(dest="policy_command", required=True)
 
-    c = psub.add_parser("check", help="validate policy files (exit 2 on the first invalid one)",
-                        **with_example("guarduq policy check policies/*.yaml"))
+    c = psub.add_parser(
+        "check",
+        help="validate policy files and show the certified threshold each threshold rule uses "
+             "(exit 2 when a file is invalid)",
+        **with_example("guarduq policy check --strict policies/*.yaml"),
+    )
     c.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    c.add_argument("--strict", action="store_true",
+                   help="exit 1 when a rule compares risk with a threshold its calibrator does not "
+                        "certify at the policy's alpha (such a rule can never match)")
     c.set_defaults(func=_cmd_check)
 
     e = psub.add_parser(
@@ -38,7 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Validate each file; report the threshold each threshold rule will use. Exit 2 on an
+    invalid file, 1 under ``--strict`` when a threshold rule has no certified threshold."""
     status = 0
+    loader = _calibrator_loader()
     for path in args.files:
         try:
             text = path.read_text(encoding="utf-8")
@@ -54,7 +66,64 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         policy = Policy.from_yaml(path)
         print(f"ok: {path}: {_summary(policy)}")
+        report = check_policy_thresholds(policy, loader)
+        for line in _threshold_lines(report):
+            print(f"  {line}")
+        if report.warning is not None:
+            print(f"WARNING: {path}: {report.warning}", file=sys.stderr)
+            if args.strict:
+                status = max(status, 1)
     return status
+
+
+def _calibrator_loader() -> Callable[[Path], Any]:
+    """``Calibrator.load``, imported only when a policy has threshold rules (it pulls in numpy
+    and scikit-learn) and read once per file for every policy naming it."""
+    loaded: dict[Path, Any] = {}
+
+    def load(path: Path) -> Any:
+        from guarduq.calibration import Calibrator
+
+        key = path.absolute()
+        if key not in loaded:
+            loaded[key] = Calibrator.load(path)
+        return loaded[key]
+
+    return load
+
+
+def _threshold_lines(report: ThresholdReport) -> list[str]:
+    """One line per threshold rule: its comparison with the certified value, and where it comes from."""
+    lines = []
+    for use in report.uses:
+        text = " and ".join(use.comparisons)
+        if not report.readable:
+            lines.append(f"rule {use.rule}: {text}: threshold unknown (calibrator not readable)")
+            continue
+        if report.threshold is None:
+            lines.append(f"rule {use.rule}: {text}: no certified threshold at alpha {report.alpha:g}")
+            continue
+        text = text.replace("threshold", f"threshold = {report.threshold:g}", 1)
+        lines.append(f"rule {use.rule}: {text} ({_provenance(report)})")
+    return lines
+
+
+def _provenance(report: ThresholdReport) -> str:
+    assert report.alpha is not None
+    out = f"alpha {report.alpha:g} certified on {report.calibrator}"
+    rec = report.record
+    if rec is None:
+        return out
+    facts = [f"delta {rec.delta:g}" if rec.delta is not None else None,
+             f"n={rec.n}" if rec.n is not None else None]
+    if rec.n_accepted is not None and rec.coverage is not None:
+        facts.append(f"accepts {rec.n_accepted} ({rec.coverage:.0%})")
+    if rec.error_rate is not None:
+        facts.append(f"error rate {rec.error_rate:.3f}")
+    if rec.upper_bound is not None:
+        facts.append(f"upper bound {rec.upper_bound:.3f}")
+    shown = [f for f in facts if f]
+    return out + (": " + ", ".join(shown) if shown else "")
 
 
 def _summary(policy: Policy) -> str:
