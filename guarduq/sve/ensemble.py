@@ -50,6 +50,7 @@ from guarduq.sve.training import (
     _Batch,
     _ClassificationObjective,
     _digest,
+    clip_per_member,
     _LMObjective,
     _member_batch,
     _Objective,
@@ -353,7 +354,10 @@ class SVEnsemble:
         checkpoint_every: int = 50,
         progress: bool = True,
     ) -> SVEnsemble:
-        """Train all members jointly; member m sees mini-batches in its own shuffled order.
+        """Train all members in one pass; member m sees mini-batches in its own shuffled order.
+
+        Members never share a gradient: each minimises its own mean loss, clipped on its own, so
+        an M-member fit equals its members fitted one by one.
 
         ``data``: (prompt, answer str) pairs -> LM loss on the answer tokens; with ``label_words``,
         (prompt, class index) pairs -> cross-entropy over the label words' next-token logits.
@@ -377,6 +381,7 @@ class SVEnsemble:
             "lr": lr,
             "weight_decay": weight_decay,
             "data_digest": _digest(items),
+            "members_apart": True,  # per-member loss and clipping (older checkpoints: joint)
         }
         ckpt = Path(checkpoint) if checkpoint is not None else None
         if ckpt is not None and ckpt.is_file():
@@ -390,13 +395,15 @@ class SVEnsemble:
                     for m in range(self.members)
                     for i in _member_batch(len(items), m, self.steps_done_, batch_size, self.seed)
                 ]
-                loss = objective.loss(self._collate(rows))
+                # The mean over M·B rows times M is the sum of the members' own mean losses:
+                # each member's gradient is its own, and each is clipped on its own.
+                loss = objective.loss(self._collate(rows)) * self.members
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.parameters(), max_grad_norm)
+                clip_per_member(self.parameters(), max_grad_norm)
                 optim.step()
                 self.steps_done_ += 1
-                self.history_.append(float(loss.detach()))
+                self.history_.append(float(loss.detach()) / self.members)
                 bar.update(1)
                 bar.set_postfix(loss=f"{self.history_[-1]:.4f}")
                 if ckpt is not None and (self.steps_done_ % checkpoint_every == 0 or self.steps_done_ == steps):

@@ -98,6 +98,23 @@ class _ClassificationObjective(_Objective):
         return nn.functional.cross_entropy(logits, batch.labels)
 
 
+def clip_per_member(params: Sequence[nn.Parameter], max_norm: float) -> None:
+    """Clip each member's gradient to ``max_norm`` on its own (in place).
+
+    Member m's parameters are row m of every ``sigma`` [M, r] and ``bias`` [M, out]. One joint
+    norm would let a member with a large gradient shrink every other member's step: members
+    would share a gradient, and the first M of an ensemble would differ from those M trained
+    alone (``tests/unit/test_ensembles_bench.py`` shows the joint clip moves them by ~0.02).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    norms = torch.sqrt(sum((g.double() ** 2).flatten(1).sum(dim=1) for g in grads))  # [M]
+    scale = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1))))
+
+
 def _member_batch(n: int, member: int, step: int, batch_size: int, seed: int) -> list[int]:
     """Member m's indices for ``step``: its own stream of per-epoch permutations.
 

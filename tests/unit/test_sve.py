@@ -514,3 +514,17 @@ def test_prefix_sharing_check_tolerates_rounding_not_a_wrong_fan_out() -> None:
     assert _same_logits(rounded, logits)  # fp32 noise of another kernel, also on logits near 0
     assert not _same_logits(logits[[1, 0, 2, 3]], logits)  # rows fanned out to the wrong member
     assert not _same_logits(logits + 0.05, logits)
+
+
+def test_members_train_apart_an_m_member_fit_equals_its_members_fitted_in_a_smaller_one():
+    """Member m's loss, gradient and clipping are its own: members 0-1 of a 3-member fit equal
+    those of a 2-member fit (σ_init 0, so they start alike; each has its own data order).
+    A joint mean loss with one clipping norm over all members fails this."""
+    tok = tiny_tokenizer()
+    kw = dict(label_words=["positive", "negative"], steps=5, batch_size=2, lr=0.05,
+              max_grad_norm=0.01, progress=False)  # a small norm: clipping acts on every step
+    two = SVEnsemble.from_model(tiny_llama(), tok, members=2, sigma_init=0.0).fit(CLASS_DATA, **kw)
+    three = SVEnsemble.from_model(tiny_llama(), tok, members=3, sigma_init=0.0).fit(CLASS_DATA, **kw)
+    for a, b in zip(two.parameters(), three.parameters(), strict=True):
+        torch.testing.assert_close(b[:2], a, rtol=1e-3, atol=1e-4)
+    assert any(not torch.allclose(p[0], p[1]) for p in two.parameters())  # orders differ
