@@ -72,6 +72,18 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -
     return ids.to(device), mask.to(device)
 
 
+def right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) with every row left-aligned: positions and the causal mask of
+    every real token are those of the row alone (training and teacher-forced passes)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 class FinishRecorder:
     """A stopping criterion that records the step at which each row first stopped.
 

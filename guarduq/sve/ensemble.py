@@ -30,10 +30,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from guarduq import layout
+from guarduq.batching import right_pad
 from guarduq._logging import get_logger
 from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError, SVEError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
+from guarduq.sve.frozen import FrozenStates
 from guarduq.sve.io import FORMAT, FORMAT_VERSION, _atomic_save, _read_artifact, _svds
 from guarduq.sve.layers import (
     SVELinear,
@@ -353,6 +355,7 @@ class SVEnsemble:
         checkpoint: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 50,
         progress: bool = True,
+        reuse_states: bool = True,
     ) -> SVEnsemble:
         """Train all members in one pass; member m sees mini-batches in its own shuffled order.
 
@@ -365,6 +368,8 @@ class SVEnsemble:
         decay would pull the pretrained spectrum towards zero. ``steps`` counts from the start
         (``steps_done_``): a second call trains on up to it. With ``checkpoint``, state is saved
         every ``checkpoint_every`` steps and a rerun with the same settings resumes from it.
+        With ``reuse_states`` (and SVE in the last blocks only), the frozen blocks below run once
+        per item, not once per step (``guarduq.sve.frozen``).
         """
         if steps < 1 or batch_size < 1:
             raise SVEError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
@@ -383,6 +388,10 @@ class SVEnsemble:
             "data_digest": _digest(items),
             "members_apart": True,  # per-member loss and clipping (older checkpoints: joint)
         }
+        frozen = (
+            FrozenStates.compute(self.model, self._first_block(), [ids for ids, _, _ in items], self._pad_id())
+            if reuse_states else None
+        )
         ckpt = Path(checkpoint) if checkpoint is not None else None
         if ckpt is not None and ckpt.is_file():
             self._resume(ckpt, optim, settings)
@@ -390,14 +399,15 @@ class SVEnsemble:
         bar = tqdm(total=steps, initial=self.steps_done_, desc="SVE fit", unit="step", disable=not progress)
         with self._lock, bar:
             while self.steps_done_ < steps:
-                rows = [
-                    items[i]
-                    for m in range(self.members)
+                index = [
+                    i for m in range(self.members)
                     for i in _member_batch(len(items), m, self.steps_done_, batch_size, self.seed)
                 ]
+                batch = self._collate([items[i] for i in index])
                 # The mean over M·B rows times M is the sum of the members' own mean losses:
                 # each member's gradient is its own, and each is clipped on its own.
-                loss = objective.loss(self._collate(rows)) * self.members
+                with frozen.standing_in(index, batch.input_ids.shape[1]) if frozen else contextlib.nullcontext():
+                    loss = objective.loss(batch) * self.members
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
                 clip_per_member(self.parameters(), max_grad_norm)
@@ -539,17 +549,18 @@ class SVEnsemble:
             raise SVEError("this operation needs a tokenizer; pass one to SVEnsemble.from_model")
         return self.tokenizer
 
+    def _first_block(self) -> int | None:
+        """The lowest block holding an SVE layer, when every SVE layer is in a numbered block."""
+        blocks = [_block_of(name) for name in self.layers]
+        return None if None in blocks else min(b for b in blocks if b is not None)
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
+        return 0 if pad is None else int(pad)
+
     def _collate(self, rows: list[tuple[list[int], int, int]]) -> _Batch:
         """Right-pad M·B encoded rows (right padding keeps positions and the causal mask exact)."""
-        tok = self.tokenizer
-        pad = getattr(tok, "pad_token_id", None) if tok is not None else None
-        pad = 0 if pad is None else int(pad)
-        width = max(len(ids) for ids, _, _ in rows)
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (ids, _, _) in enumerate(rows):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            mask[i, : len(ids)] = 1
+        input_ids, mask = right_pad([ids for ids, _, _ in rows], self._pad_id())
         return _Batch(
             input_ids=input_ids,
             attention_mask=mask,

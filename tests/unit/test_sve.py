@@ -14,6 +14,7 @@ from transformers.pytorch_utils import Conv1D
 
 from guarduq import layout
 from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError, SVEError
+from guarduq.scoring.reuse import decoder_blocks
 from guarduq.sve import SVELinear, SVEnsemble
 from guarduq.sve.layers import _same_logits
 from guarduq.sve.results import _same_answer
@@ -528,3 +529,26 @@ def test_members_train_apart_an_m_member_fit_equals_its_members_fitted_in_a_smal
     for a, b in zip(two.parameters(), three.parameters(), strict=True):
         torch.testing.assert_close(b[:2], a, rtol=1e-3, atol=1e-4)
     assert any(not torch.allclose(p[0], p[1]) for p in two.parameters())  # orders differ
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fit_from_cached_frozen_states_ends_where_a_plain_fit_does(arch):
+    """Blocks below the first SVE block run once per item, not once per step, and the members
+    end where a fit that runs every block each step ends."""
+    tok = tiny_tokenizer()
+    make = (lambda: tiny_llama(layers=3)) if arch == "llama" else conftest_gpt2
+    kw = dict(label_words=["positive", "negative"], steps=6, batch_size=2, lr=0.05, progress=False)
+    fits = {}
+    for reuse in (True, False):
+        ens = SVEnsemble.from_model(make(), tok, members=2, sigma_init=0.1, last_n_blocks=1)
+        calls = []
+        first_block = decoder_blocks(ens.model)[0]
+        mlp = first_block.mlp
+        mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        ens.fit(CLASS_DATA, reuse_states=reuse, **kw)
+        fits[reuse] = (ens, len(calls))
+    for a, b in zip(fits[True][0].parameters(), fits[False][0].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert fits[False][1] == 6  # once per step without reuse
+    if arch == "llama":  # Llama blocks return plain tensors: states cached, block 0 ran once
+        assert fits[True][1] == 1
