@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from guarduq.calibration.analysis import _auroc_rows
-from guarduq.calibration.metrics import ECE_BINS, ece_floor, reliability_bins
+from guarduq.calibration.metrics import ECE_BINS, ece_floor
 
 N_BOOT = 1000
 
@@ -151,8 +151,8 @@ def diversity(member_logp: np.ndarray) -> dict[str, float]:
 # --------------------------------------------------------------------------- plots
 
 
-def plot_reliability(rows: list[tuple[str, np.ndarray, np.ndarray]], path: Path, title: str) -> None:
-    """One reliability diagram per method: accuracy against confidence per bin, with counts."""
+def plot_reliability(rows: list[tuple[str, list[dict[str, float]], float]], path: Path, title: str) -> None:
+    """One reliability diagram per method (name, ``reliability_bins``, ECE): accuracy per bin."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -161,22 +161,21 @@ def plot_reliability(rows: list[tuple[str, np.ndarray, np.ndarray]], path: Path,
     cols = 4
     nrows = -(-len(rows) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 3.2 * nrows), squeeze=False)
-    for ax, (name, probs, labels) in zip(axes.ravel(), rows, strict=False):
-        conf = probs.max(1)
-        correct = (probs.argmax(1) == labels).astype(float)
-        bins = reliability_bins(conf, correct)
-        centers = [b["lo"] + 0.5 / ECE_BINS for b in bins]
-        accs = [b["accuracy"] for b in bins]
-        ax.bar(centers, accs, width=1 / ECE_BINS, alpha=0.6, edgecolor="k", label="accuracy")
+    for ax, (name, bins, ece) in zip(axes.ravel(), rows, strict=False):
+        lefts = [b["lo"] for b in bins]
+        ax.bar(lefts, [b["accuracy"] for b in bins], width=1 / ECE_BINS, align="edge", alpha=0.6,
+               edgecolor="k")
+        ax.plot([b["confidence"] for b in bins], [b["confidence"] for b in bins], "r.", ms=4)
+        for b in bins:
+            ax.annotate(str(b["count"]), (b["lo"] + 0.5 / ECE_BINS, 0.02), fontsize=5, ha="center", rotation=90)
         ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-        ece = float(_ece_rows(conf[None], correct[None])[0])
         ax.set_title(f"{name}\nECE {ece:.3f}", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.tick_params(labelsize=7)
     for ax in axes.ravel()[len(rows):]:
         ax.axis("off")
-    fig.suptitle(title)
+    fig.suptitle(f"{title} (bars: accuracy per confidence bin, with its count; red: mean confidence)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

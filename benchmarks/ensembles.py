@@ -64,6 +64,7 @@ from _ensemble_metrics import (  # noqa: E402
 )
 from _pages import write_page  # noqa: E402
 
+from guarduq.calibration import reliability_bins  # noqa: E402
 from guarduq.calibration.datasets import default_data_dir  # noqa: E402
 from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2  # noqa: E402
 from guarduq.models import cache_root, fingerprint, load_model  # noqa: E402
@@ -306,6 +307,7 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
             label = f"{name} + TS" if ts else name
             metrics = evaluate(test, labels["test"], mi=mi, ood_probs=ood, ood_mi=ood_mi)
             probs_test[label] = test
+            conf, correct = test.max(1), (test.argmax(1) == labels["test"]).astype(float)
             fit = info.get("fit", {})
             rows.append({
                 "name": label, "members": members, "temperature": t, **metrics,
@@ -314,6 +316,7 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
                 "train_seconds": fit.get("seconds"), "peak_rss_mb": fit.get("peak_rss_mb"),
                 "seconds_per_item": info.get("seconds_per_item", {}).get("test"),
                 "diversity": diversity(arrays["test"]), "settings": info.get("settings"),
+                "reliability": reliability_bins(conf, correct),
                 "history": fit.get("history"),
             })
     # SVE diagnostics: averaging the members in log space instead of probability space
@@ -328,8 +331,7 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
             paired[f"{sve_name} - {other}: {metric}"] = paired_diff(
                 probs_test[sve_name], probs_test[other], labels["test"], metric)
     return {"cell": cell, "task": task.name, "ood": task.ood_name, "facts": facts, "methods": rows,
-            "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()},
-            "probs_test": {k: v.tolist() for k, v in probs_test.items()}, "labels_test": labels["test"].tolist()}
+            "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()}}
 
 
 # --------------------------------------------------------------------------- page
@@ -377,9 +379,8 @@ def render(results: dict[str, Any], out: Path) -> None:
             parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} |")
         slug = cell.replace(":", "-")
         parts.append(f"\n![reliability]({slug}-reliability.png)\n\n![tradeoff]({slug}-tradeoff.png)\n")
-        labels = np.array(res["labels_test"])
-        shown = [r["name"] for r in res["methods"] if not r["name"].endswith("+ TS")] + ["base + TS"]
-        plot_reliability([(n, np.array(res["probs_test"][n]), labels) for n in shown],
+        shown = [r for r in res["methods"] if not r["name"].endswith("+ TS") or r["name"] == "base + TS"]
+        plot_reliability([(r["name"], r["reliability"], r["ece"][0]) for r in shown],
                          out / f"{slug}-reliability.png", f"{cell}: test reliability")
         plot_tradeoff([{"name": r["name"], "stored": r["stored"], "accuracy": r["accuracy"], "ece": r["ece"]}
                        for r in res["methods"] if not r["name"].endswith("+ TS")],

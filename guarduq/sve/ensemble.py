@@ -30,8 +30,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from guarduq import layout
-from guarduq.batching import right_pad
 from guarduq._logging import get_logger
+from guarduq.batching import right_pad
 from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError, SVEError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
@@ -52,10 +52,10 @@ from guarduq.sve.training import (
     _Batch,
     _ClassificationObjective,
     _digest,
-    clip_per_member,
     _LMObjective,
     _member_batch,
     _Objective,
+    clip_per_member,
 )
 
 log = get_logger("sve")

@@ -12,6 +12,7 @@ cached states ends where a plain fit does.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,10 +65,8 @@ class FrozenStates:
                     rows = order[start : start + batch]
                     input_ids, mask = right_pad([ids[r] for r in rows], pad)
                     recorded.clear()
-                    try:
+                    with contextlib.suppress(_Stop):
                         model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-                    except _Stop:
-                        pass
                     if not recorded:
                         log.info("sve_frozen_states_off", reason="block output is not a plain tensor")
                         return None

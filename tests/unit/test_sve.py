@@ -544,7 +544,7 @@ def test_fit_from_cached_frozen_states_ends_where_a_plain_fit_does(arch):
         calls = []
         first_block = decoder_blocks(ens.model)[0]
         mlp = first_block.mlp
-        mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        mlp.register_forward_pre_hook(lambda *a, calls=calls: calls.append(1))
         ens.fit(CLASS_DATA, reuse_states=reuse, **kw)
         fits[reuse] = (ens, len(calls))
     for a, b in zip(fits[True][0].parameters(), fits[False][0].parameters(), strict=True):
