@@ -2,14 +2,18 @@
 
 Every method trains only the last N transformer blocks (blocks k = L-N .. L-1) of one frozen
 model. Blocks 0..k-1 then compute the same hidden states for every epoch, every member and every
-method, so they run once per item (``encode_split``: one full forward, which also gives the base
-model's own answer) and their output h_k is kept; every later pass starts at block k from h_k
-(``Top``), using guarduq's own ``skip_blocks`` (the scorer's generation-reuse path), and costs
+method, so they run once per sequence (``encode_split``: one full forward, which also gives the
+base model's own answer) and their output h_k is kept; every later pass starts at block k from
+h_k (``Top``), using guarduq's own ``skip_blocks`` (the scorer's generation-reuse path), and costs
 about N/L of a full one. ``tests/unit/test_ensembles_bench.py`` checks the cached path against the
 full model with each method's member blocks swapped in.
 
-Classification is by the next-token logits of the label words (letters for multiple choice)
-after the chat-templated prompt, softmaxed over the item's own options.
+Classification is cloze style, as guarduq scores multiple choice (``Guard.option_probs``): each
+option is the response to the item's prompt, scored by its mean token log-probability (end of
+turn included); the class probabilities are the softmax of those scores over the item's options.
+(A letter-answer format leaves SmolLM2-135M at chance on ARC-Easy: 24.7% on its test split.)
+Every item is padded to the task's largest option count with copies of its first option, masked
+out, so that members folded into one batch hold equal numbers of sequences.
 
 Methods (one small subclass each; all share the data order of ``guarduq.sve.training``):
 * ``SVEMethod``: the targeted projections become ``SVELinear`` (frozen U, V; per-member Σ, bias);
@@ -23,7 +27,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import math
 import os
 import random
 import time
@@ -40,13 +43,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from guarduq import layout
+from guarduq.batching import right_pad
+from guarduq.calibration.datasets import Item, load_dataset
 from guarduq.layout import PromptLike
 from guarduq.scoring.reuse import StateCapture, decoder_blocks, skip_blocks
 from guarduq.sve import LLAMA_TARGETS, SVELinear
 from guarduq.sve.training import _member_batch, clip_per_member
-
-LETTERS = "ABCDE"
-MC_INSTRUCTION = "Answer with the letter of the correct option."
 
 # --------------------------------------------------------------------------- tasks
 
@@ -54,53 +56,43 @@ MC_INSTRUCTION = "Answer with the letter of the correct option."
 @dataclass(frozen=True)
 class Example:
     prompt: PromptLike
+    options: tuple[str, ...]  # as scored responses
     label: int
-    n_options: int
+
+    @property
+    def n_options(self) -> int:
+        return len(self.options)
 
 
 @dataclass
 class Task:
-    """One cell's data: label words, train / dev (selection) / test splits, optional OOD items."""
+    """One cell's data: train / dev (selection) / test splits, optional OOD items."""
 
     name: str
-    words: tuple[str, ...]
     splits: dict[str, list[Example]]
     ood_name: str | None = None
     describe: dict[str, Any] = field(default_factory=dict)
 
 
-def mc_prompt(stem: str, options: Sequence[str], *, base: bool = False) -> str:
-    """Question, lettered options, the instruction; a base model's prompt ends in "Answer:"."""
-    lines = [stem.strip(), *(f"{LETTERS[i]}. {o.strip()}" for i, o in enumerate(options))]
-    lines += ["Answer:"] if base else [MC_INSTRUCTION]
-    return "\n".join(lines)
-
-
-def mc_words(base: bool) -> tuple[str, ...]:
-    """The label words: the letters, after a space for a base model's "Answer:"."""
-    return tuple(f" {c}" if base else c for c in LETTERS)
-
-
-def read_mc(path: Path, *, four_options: bool = False, base: bool = False) -> list[Example]:
-    """ARC / CommonsenseQA JSONL as letter multiple choice (options lettered by position).
+def from_items(items: Sequence[Item], *, four_options: bool = False) -> list[Example]:
+    """guarduq's own multiple-choice items (prompt and options exactly as the risk pipeline has them).
 
     ``four_options`` keeps the answer and the first three other options, in order (CommonsenseQA
-    has five; as ARC's out-of-distribution foil it must offer as many as ARC's four-option items).
+    has five; as ARC's out-of-distribution foil it offers as many as ARC's usual four).
     """
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        choices = row["question"]["choices"]
-        labels = [str(c["label"]).strip() for c in choices]
-        answer = labels.index(str(row["answerKey"]).strip())
-        texts = [c["text"] for c in choices]
-        if four_options and len(texts) > 4:
-            keep = sorted([answer, *[i for i in range(len(texts)) if i != answer][:3]])
-            answer, texts = keep.index(answer), [texts[i] for i in keep]
-        if len(texts) > len(LETTERS):
-            continue
-        out.append(Example(mc_prompt(row["question"]["stem"], texts, base=base), answer, len(texts)))
+    for item in items:
+        options, answer = list(item.options), int(item.answer_index or 0)
+        if four_options and len(options) > 4:
+            keep = sorted([answer, *[i for i in range(len(options)) if i != answer][:3]])
+            answer, options = keep.index(answer), [options[i] for i in keep]
+        out.append(Example(item.prompt, tuple(options), answer))
     return out
+
+
+def read_items(name: str, path: Path, *, base: bool, four_options: bool = False) -> list[Example]:
+    data = load_dataset(name, path, prompt_style="fewshot" if base else "instruct")
+    return from_items(list(data), four_options=four_options)
 
 
 def _hash_unit(key: str) -> float:
@@ -131,89 +123,103 @@ def sample(examples: list[Example], n: int | None, seed: int) -> list[Example]:
 
 @dataclass
 class Encoded:
-    """A split's token ids, labels, the states entering block k, and the base model's logits."""
+    """A split as option sequences: ids, where each answer starts, the states entering block k.
 
-    ids: list[list[int]]
+    Item i owns sequences ``i·C .. i·C + C - 1`` (C = ``width``, the task's largest option
+    count); its options beyond ``n_options[i]`` are padding copies, masked out of every score.
+    """
+
+    ids: list[list[int]]  # per sequence: prompt + option (+ end of turn)
+    starts: list[int]  # per sequence: first option token
     labels: np.ndarray
     n_options: np.ndarray
-    states: list[torch.Tensor]  # [len_i, d] each: the input of block k
-    base_logits: torch.Tensor  # [n, C], from the full forward that recorded the states
+    width: int
+    states: list[torch.Tensor]  # per sequence [len, d]: the input of block k
+    base_logits: torch.Tensor  # [n, C] option scores from the full forward that recorded the states
     seconds: float = 0.0  # time to compute (0 when read from the cache)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.labels)
+
+    def sequences(self, items: Sequence[int]) -> list[int]:
+        return [i * self.width + j for i in items for j in range(self.width)]
 
 
-def label_token_ids(tok: Any, words: Sequence[str]) -> list[int]:
-    ids = [int(tok(w, add_special_tokens=False)["input_ids"][0]) for w in words]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"label words {list(words)} share a first token")
-    return ids
+def option_sequences(tok: Any, examples: Sequence[Example], width: int) -> tuple[list[list[int]], list[int]]:
+    ids, starts = [], []
+    for ex in examples:
+        prompt = layout.prompt_ids(tok, ex.prompt)
+        options = list(ex.options) + [ex.options[0]] * (width - ex.n_options)
+        for option in options:
+            ids.append(prompt + layout.response_ids(tok, option, ended=True))
+            starts.append(len(prompt))
+    return ids, starts
 
 
 class Top:
     """The frozen model from block k up, run from cached states; member blocks swap in.
 
-    ``logits`` pads a batch on the right (positions and the causal mask stay exact), lets blocks
-    0..k-1 stand aside returning the cached states, and reads the label words' logits at each
-    row's last real token. Options an item does not have get -inf.
+    ``scores`` pads a batch of option sequences on the right (positions and the causal mask
+    stay exact), lets blocks 0..k-1 stand aside returning the cached states, and scores each
+    option by the mean log-probability of its tokens; options an item does not have get -inf.
     """
 
-    def __init__(self, model: nn.Module, tok: Any, k: int, words: Sequence[str]) -> None:
+    def __init__(self, model: nn.Module, tok: Any, k: int) -> None:
         self.model, self.tok, self.k = model, tok, k
         blocks = decoder_blocks(model)
         if blocks is None or not 0 < k < len(blocks):
             raise ValueError(f"cannot start at block {k} of this model")
         self.blocks = blocks
-        self.label_ids = label_token_ids(tok, words)
-        head = model.get_output_embeddings()
-        self.head_w = head.weight[self.label_ids].detach()
-        self.head_b = None if getattr(head, "bias", None) is None else head.bias[self.label_ids].detach()
         self.cap = getattr(model.config, "final_logit_softcapping", None)
         self.pad = int(tok.pad_token_id) if tok.pad_token_id is not None else 0
 
     def frozen_blocks(self) -> list[nn.Module]:
         return list(self.blocks)[self.k :]
 
-    def head(self, last: torch.Tensor, n_options: torch.Tensor) -> torch.Tensor:
-        logits = last.float() @ self.head_w.float().T
-        if self.head_b is not None:
-            logits = logits + self.head_b.float()
+    def option_scores(self, hidden: torch.Tensor, ids: torch.Tensor, starts: Sequence[int],
+                      lengths: Sequence[int]) -> torch.Tensor:
+        """Mean log-probability of each row's answer tokens, from the last hidden states."""
+        rows, pos = [], []
+        for i, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            rows += [i] * (length - start)
+            pos += list(range(start - 1, length - 1))
+        rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
+        logits = self.model.get_output_embeddings()(hidden[rows_t, pos_t]).float()
         if self.cap:
             logits = torch.tanh(logits / self.cap) * self.cap
-        absent = torch.arange(logits.shape[1]) >= n_options.unsqueeze(1)
-        return logits.masked_fill(absent, float("-inf"))
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[rows_t, pos_t + 1].unsqueeze(-1)).squeeze(-1)
+        total = torch.zeros(len(starts)).index_add(0, rows_t, logp)
+        return total / torch.tensor([length - start for start, length in zip(starts, lengths, strict=True)])
 
-    def collate(self, ids: Sequence[list[int]], states: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
-        width = max(len(x) for x in ids)
-        input_ids = torch.full((len(ids), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, x in enumerate(ids):
-            input_ids[i, : len(x)] = torch.tensor(x)
-            mask[i, : len(x)] = 1
-        if states is None:
-            return input_ids, mask
-        hidden = states[0].new_zeros((len(ids), width, states[0].shape[-1]))
-        for i, s in enumerate(states):
-            hidden[i, : s.shape[0]] = s
-        return input_ids, mask, hidden
+    def _as_items(self, scores: torch.Tensor, enc: Encoded, items: Sequence[int]) -> torch.Tensor:
+        scores = scores.reshape(len(items), enc.width)
+        absent = torch.arange(enc.width) >= torch.as_tensor(enc.n_options[list(items)]).unsqueeze(1)
+        return scores.masked_fill(absent, float("-inf"))
 
-    def logits(self, enc: Encoded, rows: Sequence[int], member: Sequence[nn.Module] | None = None) -> torch.Tensor:
-        """[len(rows), C] label logits of ``rows`` of ``enc`` with blocks k.. replaced by ``member``."""
-        input_ids, mask, hidden = self.collate([enc.ids[r] for r in rows], [enc.states[r] for r in rows])
+    def logits(self, enc: Encoded, items: Sequence[int], member: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """[len(items), C] option scores of ``items`` of ``enc`` with blocks k.. replaced by ``member``."""
+        seqs = enc.sequences(items)
+        ids = [enc.ids[s] for s in seqs]
+        input_ids, mask = right_pad(ids, self.pad)
+        hidden = enc.states[seqs[0]].new_zeros((len(seqs), input_ids.shape[1], enc.states[0].shape[-1]))
+        for i, s in enumerate(seqs):
+            hidden[i, : enc.states[s].shape[0]] = enc.states[s]
         with skip_blocks(self.blocks, self.k, hidden), swap_blocks(self.blocks, self.k, member):
             out = self.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        last = out.last_hidden_state[torch.arange(len(rows)), mask.sum(1) - 1]
-        return self.head(last, torch.as_tensor(enc.n_options[list(rows)]))
+        scores = self.option_scores(out.last_hidden_state, input_ids, [enc.starts[s] for s in seqs],
+                                    [len(x) for x in ids])
+        return self._as_items(scores, enc, items)
 
-    def full_logits(self, ids: Sequence[list[int]], n_options: np.ndarray,
-                    member: Sequence[nn.Module] | None = None) -> torch.Tensor:
-        """The same logits from a plain full forward (the reference the cached path must equal)."""
-        input_ids, mask = self.collate(ids, None)
+    def full_logits(self, enc: Encoded, items: Sequence[int], member: Sequence[nn.Module] | None = None) -> torch.Tensor:
+        """The same scores from a plain full forward (the reference the cached path must equal)."""
+        seqs = enc.sequences(items)
+        ids = [enc.ids[s] for s in seqs]
+        input_ids, mask = right_pad(ids, self.pad)
         with swap_blocks(self.blocks, self.k, member):
             out = self.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        last = out.last_hidden_state[torch.arange(len(ids)), mask.sum(1) - 1]
-        return self.head(last, torch.as_tensor(n_options))
+        scores = self.option_scores(out.last_hidden_state, input_ids, [enc.starts[s] for s in seqs],
+                                    [len(x) for x in ids])
+        return self._as_items(scores, enc, items)
 
 
 @contextmanager
@@ -232,49 +238,55 @@ def swap_blocks(blocks: nn.ModuleList, k: int, member: Sequence[nn.Module] | Non
             blocks[k + i] = block
 
 
-def encode_split(top: Top, examples: list[Example], *, batch: int = 8, cache: Path | None = None,
+def encode_split(top: Top, examples: list[Example], width: int, *, batch: int = 8, cache: Path | None = None,
                  desc: str = "encode") -> Encoded:
-    """Token ids and states at block k of every example (one full forward each), cached on disk.
-
-    The file is keyed by the model's state, k and the prompts, written atomically once complete.
-    """
-    ids = [layout.prompt_ids(top.tok, ex.prompt) for ex in examples]
+    """Option sequences of every example and their states at block k (one full forward each),
+    cached on disk: the file is keyed by the model's state, k and the prompts, written atomically."""
+    ids, starts = option_sequences(top.tok, examples, width)
     labels = np.array([ex.label for ex in examples])
     n_options = np.array([ex.n_options for ex in examples])
+    lengths = [len(x) for x in ids]
     if cache is not None and cache.is_file():
         t = load_file(str(cache))
-        lengths = [len(x) for x in ids]
         if t["lengths"].tolist() == lengths:
-            return Encoded(ids, labels, n_options, list(torch.split(t["states"], lengths)), t["base_logits"])
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # little padding per batch
+            return Encoded(ids, starts, labels, n_options, width, list(torch.split(t["states"], lengths)),
+                           t["base_logits"])
     states: list[torch.Tensor | None] = [None] * len(ids)
-    base = torch.zeros(len(ids), len(top.label_ids))
+    scores = torch.zeros(len(ids))
+    real = [i * width + j for i, ex in enumerate(examples) for j in range(ex.n_options)]  # padding copies later
+    order = sorted(real, key=lambda s: lengths[s])  # little padding per batch
     start = time.perf_counter()
     with torch.no_grad():
-        for i in tqdm(range(0, len(order), batch), desc=desc, unit="batch", leave=False):
-            rows = order[i : i + batch]
-            input_ids, mask = top.collate([ids[r] for r in rows], None)
+        for i in tqdm(range(0, len(order), batch * 4), desc=desc, unit="batch", leave=False):
+            rows = order[i : i + batch * 4]
+            input_ids, mask = right_pad([ids[r] for r in rows], top.pad)
             with StateCapture(top.blocks, top.k) as cap:
                 out = top.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
             got = cap.states()
             if got is None:
                 raise RuntimeError("the block before k returned no plain tensor; cannot cache its states")
-            last = out.last_hidden_state[torch.arange(len(rows)), mask.sum(1) - 1]
-            base[rows] = top.head(last, torch.as_tensor(n_options[rows]))
+            scores[rows] = top.option_scores(out.last_hidden_state, input_ids, [starts[r] for r in rows],
+                                             [lengths[r] for r in rows])
             for j, r in enumerate(rows):
-                states[r] = got[j, : len(ids[r])].clone()
-    enc = Encoded(ids, labels, n_options, [s for s in states if s is not None], base, time.perf_counter() - start)
+                states[r] = got[j, : lengths[r]].clone()
+    for i, ex in enumerate(examples):  # padding options: copies of the item's first option
+        for j in range(ex.n_options, width):
+            states[i * width + j] = states[i * width]
+    base = scores.reshape(len(examples), width)
+    base = base.masked_fill(torch.arange(width) >= torch.as_tensor(n_options).unsqueeze(1), float("-inf"))
+    enc = Encoded(ids, starts, labels, n_options, width, [s for s in states if s is not None], base,
+                  time.perf_counter() - start)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
-        save_file({"states": torch.cat(enc.states).contiguous(), "lengths": torch.tensor([len(x) for x in ids]),
+        save_file({"states": torch.cat(enc.states).contiguous(), "lengths": torch.tensor(lengths),
                    "base_logits": base.contiguous()}, str(tmp))
         os.replace(tmp, cache)
     return enc
 
 
-def cache_key(model_fp: str, k: int, examples: list[Example]) -> str:
-    h = hashlib.sha256(json.dumps([model_fp, k, [[e.prompt, e.label, e.n_options] for e in examples]]).encode())
+def cache_key(model_fp: str, k: int, width: int, examples: list[Example]) -> str:
+    h = hashlib.sha256(json.dumps([model_fp, k, width, [[e.prompt, e.options, e.label] for e in examples]]).encode())
     return h.hexdigest()[:20]
 
 
@@ -313,6 +325,7 @@ class Method:
     """M members over the top blocks. Subclasses build members and say how they run."""
 
     family = ""
+    fitted_: dict[str, Any] | None = None  # what training cost, once trained (set by the runner)
 
     def __init__(self, members: int, lr: float, *, seed: int = 0, weight_decay: float = 0.0) -> None:
         self.members, self.lr, self.seed, self.weight_decay = members, lr, seed, weight_decay
@@ -501,11 +514,3 @@ class DeepMethod(_CopiesMethod):
 
 FAMILIES: dict[str, Callable[..., Method]] = {"sve": SVEMethod, "lora": LoRAMethod, "deep": DeepMethod}
 
-
-def mean_probs(member_logp: np.ndarray) -> np.ndarray:
-    """The ensemble's prediction: the mean of the members' probabilities."""
-    return np.exp(member_logp).mean(axis=0)
-
-
-def log_or_nan(x: float) -> float:
-    return math.log(x) if x > 0 else float("nan")

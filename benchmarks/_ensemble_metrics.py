@@ -109,13 +109,19 @@ def paired_diff(a: np.ndarray, b: np.ndarray, labels: np.ndarray, metric: str, s
     return _interval(float(point), boots)
 
 
+def _log(probs: np.ndarray) -> np.ndarray:
+    """log p, with -inf (not a clipped finite value) for options an item does not have (p = 0)."""
+    with np.errstate(divide="ignore"):
+        return np.where(probs > 0, np.log(np.where(probs > 0, probs, 1.0)), -np.inf)
+
+
 def fit_temperature(probs: np.ndarray, labels: np.ndarray) -> float:
     """T minimising the NLL of p^(1/T) (renormalised) on held-out items: a grid over log T.
 
     For one model p = softmax(z) this is the usual softmax(z / T); for an ensemble it rescales
     the log of the mean probability (the "temperature of the mean").
     """
-    logp = np.log(np.clip(probs, 1e-12, 1.0))
+    logp = _log(probs)
     grid = np.exp(np.linspace(np.log(0.05), np.log(20.0), 601))
     best, best_nll = 1.0, np.inf
     for t in grid:
@@ -132,7 +138,7 @@ def scaled_logp(logp: np.ndarray, t: float) -> np.ndarray:
 
 
 def apply_temperature(probs: np.ndarray, t: float) -> np.ndarray:
-    return np.exp(scaled_logp(np.log(np.clip(probs, 1e-300, 1.0)), t))
+    return np.exp(scaled_logp(_log(probs), t))
 
 
 def diversity(member_logp: np.ndarray) -> dict[str, float]:

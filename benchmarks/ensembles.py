@@ -1,6 +1,7 @@
 """SVE against LoRA-Ensemble and deep ensembles on one harness (make ensembles).
 
-Per cell (model x task): multiple-choice classification by label-token probabilities; train on
+Per cell (model x task): multiple-choice classification, each option scored as the response by
+its mean token log-probability (guarduq's own multiple-choice scoring); train on
 the task's train split, choose every setting on its dev split, report on its test split. Every
 method trains the same last N blocks with the same steps, batch, data orders and prompt, from
 cached frozen-block states (``_ensemble_methods``). Per cell, in order (each stage is saved under
@@ -48,8 +49,7 @@ from _ensemble_methods import (  # noqa: E402
     cache_key,
     encode_split,
     hash_split,
-    mc_words,
-    read_mc,
+    read_items,
     sample,
 )
 from _ensemble_metrics import (  # noqa: E402
@@ -123,22 +123,26 @@ def load(cell: str, args: argparse.Namespace) -> tuple[Any, Any, Task]:
 
 
 def make_task(name: str, args: argparse.Namespace, *, base: bool) -> Task:
+    """The cell's splits, prompts and options exactly as guarduq's dataset loaders make them."""
     d = args.data
     if name == "arc":
-        splits = {s: read_mc(d / f"arc_easy/ARC-Easy-{s.title()}.jsonl", base=base) for s in ("train", "dev", "test")}
-        # OOD: CommonsenseQA questions, cut to four options like ARC's four-option items
-        splits["ood"] = read_mc(d / "commonsense_qa/dev_rand_split.jsonl", four_options=True, base=base)
+        splits = {s: read_items("arc", d / f"arc_easy/ARC-Easy-{s.title()}.jsonl", base=base)
+                  for s in ("train", "dev", "test")}
+        # OOD: CommonsenseQA questions, cut to four options like ARC's usual four
+        splits["ood"] = read_items("commonsenseqa", d / "commonsense_qa/dev_rand_split.jsonl", base=base,
+                                   four_options=True)
         ood = "CommonsenseQA dev (4 of its 5 options kept: the answer and the first 3 others)"
-        task = Task("arc", mc_words(base), splits, ood_name=ood)
+        task = Task("arc", splits, ood_name=ood)
     elif name == "csqa":
         # CommonsenseQA ships its dev split only here: a fixed hash split of it
-        rows = read_mc(d / "commonsense_qa/dev_rand_split.jsonl", base=base)
-        task = Task("csqa", mc_words(base), hash_split(rows, {"train": 0.5, "dev": 0.15, "test": 0.35}))
+        rows = read_items("commonsenseqa", d / "commonsense_qa/dev_rand_split.jsonl", base=base)
+        task = Task("csqa", hash_split(rows, {"train": 0.5, "dev": 0.15, "test": 0.35}))
     elif name == "sst2":
-        train = [Example(p, y, 2) for p, y in read_sst2(d / "sst2/train.tsv")]
+        words = SST2_LABEL_WORDS
+        train = [Example(p, words, y) for p, y in read_sst2(d / "sst2/train.tsv")]
         train = sample(train, 2500, seed=0)
-        test = [Example(p, y, 2) for p, y in read_sst2(d / "sst2/dev.tsv")]
-        task = Task("sst2", SST2_LABEL_WORDS, {"train": train[500:], "dev": train[:500], "test": test})
+        test = [Example(p, words, y) for p, y in read_sst2(d / "sst2/dev.tsv")]
+        task = Task("sst2", {"train": train[500:], "dev": train[:500], "test": test})
     else:
         raise SystemExit(f"unknown task {name!r}")
     task.splits["train"] = sample(task.splits["train"], args.train_n, seed=0)
@@ -147,18 +151,20 @@ def make_task(name: str, args: argparse.Namespace, *, base: bool) -> Task:
 
 
 def quick_task() -> Task:
-    """Synthetic: the prompt names the answer's letter; a tiny model can learn to read it."""
+    """Synthetic: the prompt names the answer; a tiny model can learn to read it."""
     rng = np.random.default_rng(0)
+    options = ("red", "green", "blue", "gold")
 
     def items(n: int) -> list[Example]:
         out = []
         for _ in range(n):
             y = int(rng.integers(0, 4))
-            out.append(Example(f"pick {'ABCD'[y]} of A B C D", y, 4))
+            k = 3 if y < 3 and rng.random() < 0.3 else 4  # some items with fewer options
+            out.append(Example(f"say {options[y]}", options[:k], y))
         return out
 
     splits = {"train": items(48), "dev": items(16), "test": items(32), "ood": items(16)}
-    return Task("synthetic", ("A", "B", "C", "D"), splits, ood_name="synthetic")
+    return Task("synthetic", splits, ood_name="synthetic")
 
 
 # --------------------------------------------------------------------------- stages
@@ -184,21 +190,26 @@ class Stages:
         return arrays, info
 
 
-def train_and_predict(method: Method, top: Top, enc: dict[str, Encoded], args: argparse.Namespace,
-                      splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    method.build(top)
-    fit = method.fit(top, enc["train"], steps=args.steps, batch=args.batch)
+def predict_only(method: Method, top: Top, enc: dict[str, Encoded],
+                 splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Predictions of an already trained method (its fit's record kept on it)."""
     arrays, seconds = {}, {}
     for split in splits:
         start = time.perf_counter()
         arrays[split] = method.predict(top, enc[split])
         seconds[split] = (time.perf_counter() - start) / len(enc[split])
-    info = {
+    return arrays, {**(method.fitted_ or {}), "seconds_per_item": seconds}
+
+
+def train_and_predict(method: Method, top: Top, enc: dict[str, Encoded], args: argparse.Namespace,
+                      splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    method.build(top)
+    fit = method.fit(top, enc["train"], steps=args.steps, batch=args.batch)
+    method.fitted_ = {
         "name": method.name, "settings": method.settings(), "fit": asdict(fit),
         "trainable_per_member": method.trainable_per_member(), "stored": method.stored(),
-        "seconds_per_item": seconds,
     }
-    return arrays, info
+    return predict_only(method, top, enc, splits)
 
 
 def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -206,14 +217,15 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     model.eval().requires_grad_(False)
     n_blocks = len(list(model.base_model.layers))
     k = n_blocks - args.last_n_blocks
-    top = Top(model, tok, k, task.words)
+    top = Top(model, tok, k)
     fp = fingerprint(model)
     work = args.work / cell.replace(":", "-")
     stages = Stages(work)
+    width = max(ex.n_options for examples in task.splits.values() for ex in examples)
     enc: dict[str, Encoded] = {}
     for split, examples in task.splits.items():
-        cache = work / "states" / f"{split}-{cache_key(fp, k, examples)}.safetensors"
-        enc[split] = encode_split(top, examples, cache=cache, desc=f"{cell} {split}")
+        cache = work / "states" / f"{split}-{cache_key(fp, k, width, examples)}.safetensors"
+        enc[split] = encode_split(top, examples, width, cache=cache, desc=f"{cell} {split}")
     eval_splits = ("dev", "test", "ood") if "ood" in enc else ("dev", "test")
     settings_key = f"n{args.last_n_blocks}-s{args.steps}-b{args.batch}"
 
@@ -224,18 +236,22 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     singles: dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
     labels = {s: e.labels for s, e in enc.items()}
     for family, grid in grids.items():
-        best = None
-        for lr in grid:
+        best, trained = None, {}
+        for lr in grid:  # dev predictions only: test and OOD for the chosen rate alone
             kwargs = {"sigma_init": 0.0} if family == "sve" else {}
-            method = FAMILIES[family](1, lr, **kwargs)
-            arrays, info = stages.run(f"{settings_key}-{family}-m1-lr{lr:g}",
-                                      lambda m=method: train_and_predict(m, top, enc, args, eval_splits))
+            method = trained[lr] = FAMILIES[family](1, lr, **kwargs)
+            arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}",
+                                      lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
             dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
             selection.append({"family": family, "lr": lr, "dev_nll": dev_nll})
             if best is None or dev_nll < best[0]:
-                best = (dev_nll, lr, arrays, info)
-        chosen[family] = best[1]
-        singles[family] = (best[2], best[3])
+                best = (dev_nll, lr)
+        chosen[family] = lr = best[1]
+        method = trained[lr]  # trained above, or (a resumed run) trained again: seeded, the same model
+        singles[family] = stages.run(
+            f"{settings_key}-{family}-m1-lr{lr:g}",
+            lambda m=method: predict_only(m, top, enc, eval_splits) if m.fitted_ is not None
+            else train_and_predict(m, top, enc, args, eval_splits))
     sigma_best = None
     for sigma in floats(args.sigma_grid):
         method = SVEMethod(4, chosen["sve"], sigma_init=sigma)

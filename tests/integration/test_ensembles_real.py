@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from guarduq import Guard
+from guarduq import Guard, layout
 
 pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _ensemble_methods import FAMILIES, Example, SVEMethod, Top, encode_split, mc_prompt, mc_words  # noqa: E402
+from _ensemble_methods import FAMILIES, Example, SVEMethod, Top, encode_split  # noqa: E402
 
 QUESTIONS = [
     ("Which gas do plants take in to make food?", ["oxygen", "carbon dioxide", "nitrogen", "helium"], 1),
@@ -27,22 +27,27 @@ QUESTIONS = [
 def test_cached_states_reproduce_the_full_model(real_guard: Guard) -> None:
     model, tok = real_guard.model, real_guard.tokenizer
     n_blocks = len(model.base_model.layers)
-    top = Top(model, tok, n_blocks - 2, mc_words(False))
-    enc = encode_split(top, [Example(mc_prompt(q, o), y, len(o)) for q, o, y in QUESTIONS])
+    top = Top(model, tok, n_blocks - 2)
+    exs = [Example(f"Answer briefly: {q}", tuple(o), y) for q, o, y in QUESTIONS]
+    enc = encode_split(top, exs, 4)
+    rows = list(range(len(enc)))
     for method in (SVEMethod(2, 1e-2, sigma_init=0.1), FAMILIES["lora"](1, 1e-2), FAMILIES["deep"](1, 1e-4)):
         method.build(top)
         with torch.no_grad():
-            cached = method.member_logits(top, enc, list(range(len(enc))))
+            cached = method.member_logits(top, enc, rows)
             m = method.members
             blocks = method.blocks if isinstance(method, SVEMethod) else method.copies[0]
-            full = top.full_logits(enc.ids * m, np.tile(enc.n_options, m), member=blocks).reshape(m, len(enc), -1)
+            full = top.full_logits(enc, rows * m, member=blocks).reshape(m, len(enc), -1)
         finite = torch.isfinite(full)
         gap = float((cached[finite] - full[finite]).abs().max())
-        assert gap <= 1e-4 * float(full[finite].abs().max()), (method.name, gap)
-    # the base answers recorded with the states are the model's own next-token logits
-    input_ids, mask = top.collate(enc.ids, None)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
-    last = logits[torch.arange(len(enc)), mask.sum(1) - 1][:, top.label_ids]
-    for i, k in enumerate(enc.n_options):
-        torch.testing.assert_close(enc.base_logits[i, :k], last[i, :k].float(), rtol=1e-4, atol=1e-3)
+        assert gap <= 1e-4 * float(full[finite].abs().max()) + 1e-5, (method.name, gap)
+    # the base scores recorded with the states: each option's mean token log-probability, as a
+    # plain forward of prompt + option through the model computes it
+    for i, ex in enumerate(exs):
+        prompt = layout.prompt_ids(tok, ex.prompt)
+        for j, option in enumerate(ex.options):
+            ids = torch.tensor([prompt + layout.response_ids(tok, option, ended=True)])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            expected = logp[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt):].unsqueeze(-1)).mean()
+            assert float(enc.base_logits[i, j]) == pytest.approx(float(expected), abs=1e-4)

@@ -21,7 +21,6 @@ from _ensemble_methods import (  # noqa: E402
     SVEMethod,
     Top,
     encode_split,
-    mc_prompt,
 )
 
 from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
@@ -49,16 +48,19 @@ def examples(n: int = 6) -> list[Example]:
     rng = np.random.default_rng(1)
     out = []
     for i in range(n):
-        k = 3 + i % 2  # three- and four-option items: absent options are masked
-        options = [f"option {j} of item {i}" + " more" * int(rng.integers(0, 4)) for j in range(k)]
-        out.append(Example(mc_prompt(f"question {i}?", options), int(rng.integers(0, k)), k))
+        k = 3 + i % 2  # three- and four-option items: the padding option is masked
+        options = tuple(f"option {j}" + " more" * int(rng.integers(0, 3)) for j in range(k))
+        out.append(Example(f"question {i}?", options, int(rng.integers(0, k))))
     return out
+
+
+WIDTH = 4
 
 
 @pytest.fixture(params=sorted(MODELS))
 def top(request: pytest.FixtureRequest) -> Top:
     model = MODELS[request.param]().requires_grad_(False)
-    return Top(model, make_tokenizer(), 2, ("A", "B", "C", "D"))
+    return Top(model, make_tokenizer(), 2)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -69,20 +71,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert float((a[finite] - b[finite]).abs().max()) <= 1e-5 * scale + 1e-6
 
 
-def test_base_logits_are_the_models_own(top: Top) -> None:
-    enc = encode_split(top, examples())
-    input_ids, mask = top.collate(enc.ids, None)
-    logits = top.model(input_ids=input_ids, attention_mask=mask).logits
-    last = logits[torch.arange(len(enc)), mask.sum(1) - 1][:, top.label_ids]
-    for i, k in enumerate(enc.n_options):  # the options an item has are the LM's own logits
-        _close(enc.base_logits[i, :k], last[i, :k].float())
-        assert torch.isinf(enc.base_logits[i, k:]).all()
+def test_base_scores_are_the_models_own_option_log_probabilities(top: Top) -> None:
+    """Independent of the harness: each option's mean token log-probability from model(...).logits."""
+    from guarduq import layout
+
+    exs = examples()
+    enc = encode_split(top, exs, WIDTH)
+    for i, ex in enumerate(exs):
+        prompt = layout.prompt_ids(top.tok, ex.prompt)
+        for j, option in enumerate(ex.options):
+            ids = torch.tensor([prompt + layout.response_ids(top.tok, option, ended=True)])
+            logp = torch.log_softmax(top.model(input_ids=ids).logits[0].float(), -1)
+            targets = ids[0, len(prompt):]
+            expected = logp[len(prompt) - 1 : -1].gather(-1, targets.unsqueeze(-1)).mean()
+            assert float(enc.base_logits[i, j]) == pytest.approx(float(expected), abs=1e-5)
+        assert torch.isinf(enc.base_logits[i, ex.n_options :]).all()
 
 
 @pytest.mark.parametrize("family", ["sve", "lora", "deep"])
 def test_cached_path_equals_full_forward(top: Top, family: str) -> None:
     """Every member's logits from the cached states equal a plain forward with its blocks swapped in."""
-    enc = encode_split(top, examples())
+    enc = encode_split(top, examples(), WIDTH)
     members = 3 if family == "sve" else 2
     method = SVEMethod(members, 1e-2, sigma_init=0.1) if family == "sve" else FAMILIES[family](members, 1e-2)
     method.build(top)
@@ -90,16 +99,15 @@ def test_cached_path_equals_full_forward(top: Top, family: str) -> None:
     rows = list(range(len(enc)))
     cached = method.member_logits(top, enc, rows)
     if family == "sve":  # members are folded member-major into one batch
-        full = top.full_logits(enc.ids * members, np.tile(enc.n_options, members), member=method.blocks)
-        full = full.reshape(members, len(enc), -1)
+        full = top.full_logits(enc, rows * members, member=method.blocks).reshape(members, len(enc), -1)
     else:
-        full = torch.stack([top.full_logits(enc.ids, enc.n_options, member=c) for c in method.copies])
+        full = torch.stack([top.full_logits(enc, rows, member=c) for c in method.copies])
     _close(cached, full)
     assert float((cached[0] - cached[1]).nan_to_num(0, 0, 0).abs().max()) > 1e-4  # members differ
 
 
 def test_cached_gradient_equals_full(top: Top) -> None:
-    enc = encode_split(top, examples())
+    enc = encode_split(top, examples(), WIDTH)
     method = SVEMethod(2, 1e-2, sigma_init=0.1)
     method.build(top)
     labels = torch.as_tensor(enc.labels)
@@ -111,7 +119,7 @@ def test_cached_gradient_equals_full(top: Top) -> None:
         if cached:
             logits = top.logits(enc, rows * 2, method.blocks)
         else:
-            logits = top.full_logits(enc.ids * 2, np.tile(enc.n_options, 2), member=method.blocks)
+            logits = top.full_logits(enc, rows * 2, member=method.blocks)
         torch.nn.functional.cross_entropy(logits, labels.repeat(2)).backward()
         grads.append(torch.cat([p.grad.flatten() for p in method.parameters()]))
     _close(grads[0], grads[1])
@@ -122,8 +130,8 @@ def test_sve_members_never_share_a_gradient() -> None:
 
     This is what makes the first M members of one run a valid M-member ensemble."""
     model = tiny_llama(seed=0, layers=4).requires_grad_(False)
-    top = Top(model, make_tokenizer(), 2, ("A", "B", "C", "D"))
-    enc = encode_split(top, examples(8))
+    top = Top(model, make_tokenizer(), 2)
+    enc = encode_split(top, examples(8), WIDTH)
     alone, joint = SVEMethod(1, 3e-2, sigma_init=0.0), SVEMethod(2, 3e-2, sigma_init=0.0)
     for m in (alone, joint):
         m.build(top)
@@ -175,3 +183,16 @@ def test_vectorised_metrics_match_the_librarys() -> None:
     entropy = -(probs * np.log(probs)).sum(1)
     assert res["auroc_entropy"][0] == pytest.approx(auroc(1 - correct, entropy), abs=1e-12)
     assert res["accuracy"][1] < correct.mean() < res["accuracy"][2]
+
+
+def test_temperature_never_gives_mass_to_an_absent_option() -> None:
+    from _ensemble_metrics import apply_temperature, fit_temperature
+
+    probs = np.array([[0.7, 0.3, 0.0], [0.2, 0.5, 0.3], [0.6, 0.4, 0.0]])
+    labels = np.array([1, 1, 0])
+    t = fit_temperature(probs, labels)
+    scaled = apply_temperature(probs, t)
+    assert t > 1.0  # the first item is confidently wrong: the fit softens
+    assert scaled[0, 2] == 0.0 and scaled[2, 2] == 0.0
+    np.testing.assert_allclose(scaled.sum(1), 1.0)
+    np.testing.assert_allclose(apply_temperature(probs, 1.0), probs, atol=1e-12)
