@@ -16,7 +16,13 @@ more per model (merged, one record per item), opened read-only (a live cache bei
   only the features whose sign agrees on the training datasets) fitted on all other datasets and
   tested on the whole left-out one, next to every single signal;
 * the candidate that analysis picks for traffic unlike the calibration data, and which of the
-  issue's goals it and the shipped set (``MIXED_SET``, pooled) meet.
+  issue's goals it and the shipped set (``MIXED_SET``, pooled) meet;
+* what each feature set costs per answer, in forward-pass equivalents
+  (``features.forward_equivalents``; the SVE shape is read from the cache's SVE records).
+
+Opt-in features (P(True), the SVE second opinion) are measured where the cache holds them:
+``guarduq calibrate --features same-pass+ptrue+sve --sve FILE`` adds them to the cache; a set
+whose features no record holds is listed as not measurable.
 
     python benchmarks/risk.py --cache 'smollm2-135m-instruct=runs/cache/smollm2-135m-instruct/*.jsonl' \
         [--cache 'gemma-3-270m=runs/cache/gemma-3-270m/*.jsonl']
@@ -34,7 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +73,17 @@ from guarduq.calibration.features import (  # noqa: E402
     GRAD_PROFILE,
     LIKELIHOOD,
     PAPER,
+    SVE,
+    SVEShape,
     feature_matrix,
+    forward_equivalents,
 )
 from guarduq.calibration.metrics import risk_coverage  # noqa: E402
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7)  # the issue asks for 0.3-0.5; SmolLM2 is wrong 60-97% of the time
 DELTA = 0.1
 MIN_CELL = 300  # the issue's goals apply to cells with at least this many evaluated items
-ALL_SIGNALS = PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true", "sve_disagreement")
+ALL_SIGNALS = PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",) + SVE
 STRONG_C = 0.01
 # The shipped calibrator's set (Makefile CAL_FEATURES), fitted pooled: the choice for traffic like
 # the calibration mix, whose goals are reported next to those of the leave-one-out choice.
@@ -101,6 +110,38 @@ def load_cache(path: Path) -> list[Any]:
         return [r for r in latest.values() if r.usable]
 
 
+def measurable_sets(feats: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The feature sets whose every feature some record holds; the others (e.g. ``+sve`` on a
+    cache without SVE opinions) are listed as not measurable."""
+    return {k: v for k, v in FEATURE_SETS.items() if all(f in feats for f in v)}
+
+
+def sve_shapes(records: list[Any]) -> Counter[SVEShape]:
+    """How many records had their SVE features computed with each ensemble shape."""
+    return Counter(shape for r in records if (shape := SVEShape.of(r.scores or {})) is not None)
+
+
+def cost_lines(sets: dict[str, tuple[str, ...]], shapes: Counter[SVEShape]) -> list[str]:
+    """Markdown: each set's work per answer in forward-pass equivalents, and how it is counted."""
+    shape = shapes.most_common(1)[0][0] if shapes else None
+    costs = []
+    for name, feats in sets.items():
+        c = forward_equivalents(feats, shape)
+        costs.append(f"`{name}` {c:.2f}" if c is not None else f"`{name}` ?")
+    lines = ["Cost per answer beyond generating it, in forward-pass equivalents over prompt + answer "
+             "(FLOPs: forward 1, backward ≈ 2, so the gradient features cost 3, over all parameters; "
+             "P(True) +1; an SVE opinion + (L − N + M·N)/L with SVE in the last N of L blocks and "
+             "M members, the blocks below shared, and + M for the members' greedy answer behind "
+             "`sve_agree`): " + "; ".join(costs) + "."]
+    if shape is not None:
+        lines[0] += (f" SVE as cached: M = {shape.members}, N = {shape.targeted_blocks} of "
+                     f"L = {shape.total_blocks} blocks, "
+                     + (f"greedy answer ≤ {shape.answer_tokens} tokens" if shape.answer_tokens else "no greedy answer")
+                     + (f" ({sum(shapes.values()) - shapes[shape]} records computed with another "
+                        "ensemble shape)" if len(shapes) > 1 else "") + ".")
+    return lines
+
+
 def _fmt(x: float | None, nd: int = 2) -> str:
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
@@ -118,7 +159,7 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
     scores = [r.scores for r in records]
     feats = available(scores, ALL_SIGNALS)
     free = tuple(f for f in feats if f not in COSTLY)
-    sets = {k: v for k, v in FEATURE_SETS.items() if all(f in feats for f in v)}
+    sets = measurable_sets(feats)
     skipped_sets = sorted(set(FEATURE_SETS) - set(sets))
     # Every set and signal is measured on the same items: those valid for every available feature.
     _, ok = feature_matrix(scores, feats)
@@ -231,6 +272,7 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
         row += [_ci(results[d][s].get("auroc"), results[d][s].get("ci", (None, None))) for s in show_sets]
         row.append(f"{bs}: {_ci(bv, singles[d][bs][1:])}" if bs else "–")
         lines.append("| " + " | ".join(row) + " |")
+    lines += ["", *cost_lines(show_sets, sve_shapes(recs))]
     lines += ["", "### Every single signal alone (test split AUROC, oriented higher = more wrong)", "",
               "| data | " + " | ".join(feats) + " |", "|---|" + "---|" * len(feats)]
     for d in cells:

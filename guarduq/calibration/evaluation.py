@@ -418,3 +418,95 @@ def add_p_true(
             cache.append(new)
         out[i] = new
     return out
+
+
+SVE_KEYS_PREFIX = "sve_"  # every key add_sve_opinion writes starts so: replaced together, never mixed
+
+
+class EnsembleLike(Protocol):
+    """What the SVE features need (``guarduq.sve.SVEnsemble`` satisfies it; tests may fake it)."""
+
+    def second_opinion(self, prompt: Any, response: str, *, ended: bool = True, max_new_tokens: int = 0) -> Any: ...
+
+    def overhead(self) -> Any: ...  # .members, .targeted_blocks, .total_blocks
+
+
+def add_sve_opinion(
+    ensemble: EnsembleLike,
+    items: Sequence[Item],
+    records: Sequence[ScoredItem],
+    cache_path: str | os.PathLike[str] | None = None,
+    *,
+    max_new_tokens: int = QA_MAX_NEW_TOKENS,
+    ensemble_id: str | None = None,
+    progress: bool = True,
+    desc: str = "SVE",
+) -> list[ScoredItem]:
+    """Add the SVE second opinion's features to every usable record that lacks them (one folded
+    forward of the members each, plus their greedy answer when ``max_new_tokens > 0``), appending
+    the updated lines to the cache.
+
+    ``sve_mean_prob``, ``sve_variance``, ``sve_mi`` and, with ``max_new_tokens > 0``,
+    ``sve_agree`` (1.0/0.0), over the very tokens the guard scored (the item's prompt, the
+    recorded response and whether it ended its turn). Stored beside them: ``sve_members``,
+    ``sve_targeted_blocks``, ``sve_total_blocks`` (what the cost in forward passes depends on),
+    ``sve_answer_tokens``, ``sve_answer`` and ``sve_id``. A record is recomputed when its
+    ``sve_id`` is not ``ensemble_id`` (members trained again; ``None`` takes any), or when a
+    greedy answer is asked for with another token budget. Only for calibrators that ask for the
+    opt-in SVE features; the cache's last line per item wins, so a re-run reuses what was computed.
+    """
+    from dataclasses import replace
+
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    by_id = {it.id: it for it in items}
+    cache = ScoreCache(cache_path) if cache_path is not None else None
+    todo = [i for i, r in enumerate(records) if r.usable and _needs_sve(r.scores or {}, max_new_tokens, ensemble_id)]
+    out = list(records)
+    if not todo:
+        return out
+    shape = ensemble.overhead()
+    about = {"sve_members": int(shape.members), "sve_targeted_blocks": int(shape.targeted_blocks),
+             "sve_total_blocks": int(shape.total_blocks), "sve_answer_tokens": int(max_new_tokens),
+             "sve_id": ensemble_id}
+    for i in tqdm(todo, desc=desc, unit="item", file=sys.stderr, disable=not progress):
+        rec = out[i]
+        item = by_id.get(rec.id)
+        if item is None or rec.response is None:
+            continue
+        ended = rec.ended if rec.ended is not None else not item.stop_strings  # as score_items had it
+        try:
+            op = ensemble.second_opinion(item.prompt, rec.response, ended=ended, max_new_tokens=max_new_tokens)
+        except InputError as exc:
+            log.warning("sve_not_scored", id=rec.id, error=str(exc))
+            continue
+        new_scores = {k: v for k, v in (rec.scores or {}).items() if not k.startswith(SVE_KEYS_PREFIX)}
+        new_scores.update(about, sve_mean_prob=float(op.mean_prob), sve_variance=float(op.variance),
+                          sve_mi=float(op.mutual_information))
+        if max_new_tokens > 0:
+            new_scores.update(sve_answer=op.answer, sve_agree=_agreement(op, rec.response, item.stop_strings))
+        new = replace(rec, scores=new_scores)
+        if cache is not None:
+            cache.append(new)
+        out[i] = new
+    return out
+
+
+def _needs_sve(scores: dict[str, Any], max_new_tokens: int, ensemble_id: str | None) -> bool:
+    if "sve_mean_prob" not in scores:
+        return True
+    if ensemble_id is not None and scores.get("sve_id") != ensemble_id:
+        return True
+    return max_new_tokens > 0 and scores.get("sve_answer_tokens") != max_new_tokens
+
+
+def _agreement(op: Any, response: str, stop_strings: Sequence[str]) -> float:
+    """1.0/0.0: the members' greedy answer agrees with the response. A few-shot answer runs on
+    past its stop string (the ensemble stops at end-of-turn only): both are cut there first, or
+    the next made-up question would count towards agreement."""
+    if not stop_strings or op.answer is None:
+        return float(bool(op.agrees))
+    from guarduq.calibration.labels import same_answer
+    from guarduq.scoring.baselines import cut_at_stops
+
+    return float(same_answer(cut_at_stops(op.answer, stop_strings), cut_at_stops(response, stop_strings)))

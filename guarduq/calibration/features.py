@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -125,7 +126,11 @@ FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
     "grad_late": lambda s: _third(s, 2),
     # opt-in, extra cost
     "p_true": lambda s: float(_get(s, "p_true")),
-    "sve_disagreement": lambda s: float(_get(s, "sve_disagreement")),
+    # SVE second opinion (evaluation.add_sve_opinion): one folded forward of the members
+    "sve_mean_prob": lambda s: float(_get(s, "sve_mean_prob")),
+    "sve_variance": lambda s: float(_get(s, "sve_variance")),
+    "sve_mi": lambda s: float(_get(s, "sve_mi")),
+    "sve_agree": lambda s: float(_get(s, "sve_agree")),
     # older names, kept so artifacts and scripts that use them still work
     "min_token_prob": lambda s: float(_get(s, "min_token_prob")),
     "n_tokens": lambda s: float(_get(s, "n_tokens")),
@@ -145,7 +150,10 @@ FEATURE_DOCS: dict[str, str] = {
     "grad_early": "log share of ||grad||² in the first third of the blocks",
     "grad_late": "log share of ||grad||² in the last third of the blocks",
     "p_true": "P(True) the model gives its own answer when asked: one extra forward (opt-in)",
-    "sve_disagreement": "SVE second-opinion disagreement, when the score dict carries it (opt-in)",
+    "sve_mean_prob": "SVE members' mean p̄ of the answer: a trained ensemble's own likelihood (opt-in)",
+    "sve_variance": "variance of the SVE members' p̄: how much members that fit the data differ (opt-in)",
+    "sve_mi": "SVE mutual information per answer token (nats): disagreement on each next token (opt-in)",
+    "sve_agree": "1 if the SVE members' own greedy answer agrees with the answer, else 0 (opt-in)",
     "min_token_prob": "least likely token's probability (older name; prefer log_min_token_prob)",
     "n_tokens": "answer length in tokens (older name; prefer log_n_tokens)",
     "mean_token_prob": "p̄, the mean token probability",
@@ -166,7 +174,10 @@ ORIENTATION: dict[str, int] = {
     "grad_early": 1,
     "grad_late": 1,
     "p_true": -1,
-    "sve_disagreement": 1,
+    "sve_mean_prob": -1,
+    "sve_variance": 1,
+    "sve_mi": 1,
+    "sve_agree": -1,
     "min_token_prob": -1,
     "n_tokens": 1,
     "mean_token_prob": -1,
@@ -178,11 +189,17 @@ _NEEDS: dict[str, str] = {
     "before the batched scorer lack: re-score the data with a guarduq that writes it",
     "p_true": "P(True), one extra forward per answer: `guarduq calibrate` computes it when the "
     "feature set asks for it (same-pass+ptrue)",
-    "sve_disagreement": "an SVE second opinion stored with the scores",
+    **{key: "an SVE second opinion, one folded forward of the ensemble's members per answer: "
+       "`guarduq calibrate --sve FILE` computes it when the feature set asks for it (same-pass+sve)"
+       for key in ("sve_mean_prob", "sve_variance", "sve_mi")},
+    "sve_agree": "the SVE members' own greedy answer: `guarduq calibrate --sve FILE` with "
+    "--sve-answer-tokens N > 0 computes it when the feature set asks for it (same-pass+sve)",
 }
 
+SVE: tuple[str, ...] = ("sve_mean_prob", "sve_variance", "sve_mi", "sve_agree")
+
 # Features that cost more than the pass guarduq already runs.
-COSTLY: frozenset[str] = frozenset({"p_true", "sve_disagreement"})
+COSTLY: frozenset[str] = frozenset({"p_true", *SVE})
 
 PAPER: tuple[str, ...] = ("log_epistemic", "aleatoric")
 LIKELIHOOD: tuple[str, ...] = ("mean_logprob", "log_min_token_prob", "mean_entropy", "log_n_tokens")
@@ -194,6 +211,8 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "paper+likelihood": PAPER + LIKELIHOOD,  # every free feature an old cache holds
     "same-pass": PAPER + LIKELIHOOD + GRAD_PROFILE,  # everything free from one forward + backward
     "same-pass+ptrue": PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",),  # + one extra forward
+    "same-pass+sve": PAPER + LIKELIHOOD + GRAD_PROFILE + SVE,  # + an SVE second opinion
+    "same-pass+ptrue+sve": PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",) + SVE,
 }
 # The default set: free, available on every cache, and as good as any set within one dataset
 # (docs/results/risk.md). Across several datasets, `same-pass` fitted pooled ranks traffic like
@@ -202,6 +221,57 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
 # True)) ranks better inside most single datasets (the shipped within calibrator).
 DEFAULT_FEATURE_SET = "paper+likelihood"
 DEFAULT_FEATURES: tuple[str, ...] = FEATURE_SETS[DEFAULT_FEATURE_SET]
+
+# ----------------------------------------------------------------------------- cost per answer
+
+# Features that need the backward pass; every other free feature comes from the forward alone.
+GRADIENT_FEATURES: frozenset[str] = frozenset({"log_epistemic", *GRAD_PROFILE})
+
+
+@dataclass(frozen=True)
+class SVEShape:
+    """What an SVE second opinion costs: M members, SVE layers in the last ``targeted_blocks`` of
+    ``total_blocks`` blocks, and the greedy answer's token budget (0: no ``sve_agree``).
+    ``evaluation.add_sve_opinion`` stores these with the features (``sve_members`` ...)."""
+
+    members: int
+    targeted_blocks: int
+    total_blocks: int
+    answer_tokens: int = 0
+
+    @classmethod
+    def of(cls, scores: Mapping[str, Any]) -> SVEShape | None:
+        """The shape a score dict's SVE features were computed with; None when it has none."""
+        try:
+            return cls(int(scores["sve_members"]), int(scores["sve_targeted_blocks"]),
+                       int(scores["sve_total_blocks"]), int(scores.get("sve_answer_tokens") or 0))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def forward_equivalents(features: Iterable[str], sve: SVEShape | None = None) -> float | None:
+    """Work per answer, beyond generating it, in forward passes over prompt + answer; ``None``
+    when the features need an SVE opinion and ``sve`` does not say its shape.
+
+    Counted as FLOPs, not wall time: the scoring forward is 1; a backward ≈ 2 forwards (gradients
+    of activations and of weights), so the gradient features make it 3 (over every parameter; a
+    ``last_n_blocks`` set costs less); P(True) is +1 forward over its own prompt; an SVE opinion
+    is one folded forward in which the L − N blocks below the SVE ones run once (prefix shared,
+    guarduq's default) and the N SVE blocks M times: +(L − N + M·N)/L, or +M when the SVE layers
+    are not in numbered blocks; the members' greedy answer (``sve_agree``) adds ≈ M, M full
+    members over the prompt and their own answer (KV cache, no sharing; token by token, so
+    slower in wall time than its FLOPs say).
+    """
+    feats = set(features)
+    cost = 1.0 + (2.0 if feats & GRADIENT_FEATURES else 0.0) + (1.0 if "p_true" in feats else 0.0)
+    if feats & set(SVE):
+        if sve is None:
+            return None
+        m, n, total = sve.members, sve.targeted_blocks, sve.total_blocks
+        cost += (total - n + m * n) / total if 0 < n <= total else float(m)
+        if "sve_agree" in feats and sve.answer_tokens > 0:
+            cost += m
+    return cost
 
 
 def resolve_features(spec: str | Sequence[str]) -> tuple[str | None, tuple[str, ...]]:

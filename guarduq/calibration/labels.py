@@ -77,3 +77,17 @@ def label_choice(item: Item, index: int) -> int:
     if item.kind != "mc" or item.answer_index is None:
         raise DatasetError(f"item {item.id} is not a multiple-choice item")
     return int(index == item.answer_index)
+
+
+def _answer_words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s]", " ", text.casefold()).split()
+
+
+def same_answer(answer: str, response: str) -> bool:
+    """Loose agreement: after lower-casing and dropping punctuation, the shorter word sequence
+    occurs contiguously in the longer one ("Paris" agrees with "The capital is Paris.")."""
+    a, r = _answer_words(answer), _answer_words(response)
+    if not a or not r:
+        return False
+    short, long = sorted((a, r), key=len)
+    return any(long[i : i + len(short)] == short for i in range(len(long) - len(short) + 1))

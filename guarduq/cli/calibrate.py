@@ -9,11 +9,13 @@ fit / threshold / test, fits the risk model, picks guaranteed thresholds and sav
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from guarduq.calibration import (
 )
 from guarduq.calibration.analysis import FEATURE_RULES, available, select_features
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
+from guarduq.calibration.features import SVE, SVEShape, forward_equivalents
 from guarduq.cli._help import with_example
 from guarduq.cli._run import open_scorer, run_args
 from guarduq.cli.reviews import (
@@ -55,6 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
     _data_args(c)
+    _sve_args(c)
     c.add_argument("--alpha", type=float, action="append", help="target max error rate among "
                    f"accepted answers (repeatable; default {' '.join(map(str, DEFAULT_ALPHAS))})")
     c.add_argument("--delta", type=float, default=0.1, help="allowed probability that a guarantee fails")
@@ -85,6 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--calibrator", type=Path, required=True)
     e.add_argument("--model", help="model spec (default: the model named in the calibrator)")
     _data_args(e)
+    _sve_args(e)
     e.add_argument("--split", choices=("all", "test"), default="all",
                    help="'test': only items in the held-out split (when the data was used to calibrate)")
     e.add_argument("--allow-mismatch", action="store_true",
@@ -122,7 +127,72 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     run_args(p)
 
 
+def _sve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sve", type=Path, metavar="FILE",
+                   help="SVE members saved by `guarduq sve train` for this model (safetensors): "
+                   f"needed by a feature set with SVE features ({', '.join(SVE)}), computed once "
+                   "per answer and cached")
+    p.add_argument("--sve-answer-tokens", type=int, default=32, metavar="N",
+                   help="token budget of the SVE members' own greedy answer, for sve_agree "
+                   "(default 32; 0: no greedy answer, so no sve_agree)")
+
+
 # --------------------------------------------------------------------------- shared steps
+
+
+@dataclass(frozen=True)
+class _SVEPlan:
+    """The SVE opinion a feature set needs: which members, and the greedy answer's budget."""
+
+    path: Path
+    sha256: str
+    answer_tokens: int  # 0 when no feature reads the greedy answer: it is not computed
+
+    def describe(self) -> dict[str, Any]:
+        return {"file": str(self.path), "sha256": self.sha256, "answer_tokens": self.answer_tokens}
+
+
+def _sve_plan(args: argparse.Namespace, features: Sequence[str]) -> _SVEPlan | None:
+    """Check the SVE flags against the features before anything slow; None when none is needed."""
+    if args.sve_answer_tokens < 0:
+        raise InputError(f"--sve-answer-tokens must be >= 0, got {args.sve_answer_tokens}")
+    wanted = [f for f in features if f in SVE]
+    if not wanted:
+        if args.sve is not None:
+            print("warning: --sve is unused: the features read no SVE opinion", file=sys.stderr)
+        return None
+    if args.sve is None:
+        raise InputError(f"features {', '.join(wanted)} need an SVE second opinion: give --sve FILE "
+                         "(members trained for this model by `guarduq sve train`)")
+    if "sve_agree" in wanted and args.sve_answer_tokens == 0:
+        raise InputError("feature sve_agree needs the SVE members' greedy answer: "
+                         "--sve-answer-tokens must be > 0")
+    if getattr(args, "ray", None) is not None:
+        raise InputError("--sve runs the ensemble in this process, beside the model: not with --ray")
+    try:
+        digest = hashlib.sha256(args.sve.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise InputError(f"--sve {args.sve}: cannot read it ({exc.strerror or exc})") from exc
+    tokens = args.sve_answer_tokens if "sve_agree" in wanted else 0
+    return _SVEPlan(args.sve, digest, tokens)
+
+
+def _load_sve(plan: _SVEPlan, guard: Any) -> Any:
+    """The ensemble over the guard's own model; another model's members raise
+    ``FingerprintMismatchError``."""
+    from guarduq.models import LoadedModel
+    from guarduq.sve import SVEnsemble
+
+    return SVEnsemble.load(plan.path, LoadedModel(guard.model, guard.tokenizer, guard.info))
+
+
+def _sve_shape(records: Sequence[Any]) -> SVEShape | None:
+    """The SVE shape the records' features were computed with (the first that says)."""
+    for r in records:
+        shape = SVEShape.of(r.scores or {})
+        if shape is not None:
+            return shape
+    return None
 
 
 def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
@@ -172,12 +242,20 @@ def _score_all(
     model_spec: str,
     check: Callable[[Any], None] | None = None,
     p_true: bool = False,
+    sve: _SVEPlan | None = None,
 ) -> tuple[Any, list[Dataset], list[Any]]:
     """Load data (fails fast on bad files), then the model (``check`` it), then score (cached).
 
     ``p_true``: also compute the opt-in P(True) feature (one extra forward per answer, cached).
+    ``sve``: also compute the opt-in SVE features (one folded forward of the members per answer,
+    plus their greedy answer when asked; cached); the members are loaded before any scoring.
     """
-    from guarduq.calibration.evaluation import add_p_true, check_guard_errors, score_dataset
+    from guarduq.calibration.evaluation import (
+        add_p_true,
+        add_sve_opinion,
+        check_guard_errors,
+        score_dataset,
+    )
 
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -187,6 +265,7 @@ def _score_all(
     try:
         if check is not None:
             check(guard)
+        ensemble = _load_sve(sve, guard) if sve is not None else None
         if args.prompt_style == "auto" and not chat_template:
             datasets = _load_datasets(args, "fewshot")
         records = []
@@ -205,6 +284,10 @@ def _score_all(
             if p_true:
                 recs = add_p_true(guard, ds.items, recs, cache, progress=not args.no_progress,
                                   desc=f"{ds.name} P(True)")
+            if ensemble is not None and sve is not None:
+                recs = add_sve_opinion(ensemble, ds.items, recs, cache, max_new_tokens=sve.answer_tokens,
+                                       ensemble_id=sve.sha256[:16], progress=not args.no_progress,
+                                       desc=f"{ds.name} SVE")
             records.extend(recs)
     finally:
         if hasattr(guard, "close"):  # Ray actors
@@ -308,8 +391,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
             raise InputError(f"--alpha must be in (0, 1), got {a}")
     if not 0 < args.delta < 1:
         raise InputError(f"--delta must be in (0, 1), got {args.delta}")
+    sve = _sve_plan(args, cal.features)
     _check_outputs(args, args.out)
-    guard, datasets, records = _score_all(args, args.model, p_true="p_true" in cal.features)
+    guard, datasets, records = _score_all(args, args.model, p_true="p_true" in cal.features, sve=sve)
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
@@ -372,6 +456,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     payload["parameter_set"] = cal.parameter_set_
     payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
     payload["within_datasets"] = cal.groups_
+    shape = _sve_shape(ok) if sve is not None else None
+    payload["forward_equivalents"] = forward_equivalents(cal.features, shape)  # work per answer
+    if sve is not None:
+        payload["sve"] = {**sve.describe(), **({"shape": asdict(shape)} if shape else {})}
     if weights is not None:
         payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights)}
     header = (
@@ -452,11 +540,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise InputError("the calibrator names no model; pass --model")
     if args.parameter_set is None:  # score over the parameters the calibrator was fitted on
         args.parameter_set = cal.parameter_set_
+    sve = _sve_plan(args, cal.features)
     guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
         args,
         spec,
         lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch),
         p_true="p_true" in cal.features,
+        sve=sve,
     )
     split = _splitter(datasets, cal.split_ or {})
     if REVIEWS in args.dataset and args.split == "test":  # reviews' test split: uniform items only

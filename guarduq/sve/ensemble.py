@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from guarduq import layout
 from guarduq._logging import get_logger
 from guarduq.batching import right_pad
+from guarduq.calibration.labels import same_answer
 from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError, SVEError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
@@ -47,7 +48,7 @@ from guarduq.sve.layers import (
     _select_modules,
     validate_settings,
 )
-from guarduq.sve.results import Overhead, SVEOpinion, _same_answer
+from guarduq.sve.results import Overhead, SVEOpinion
 from guarduq.sve.training import (
     _Batch,
     _ClassificationObjective,
@@ -310,7 +311,7 @@ class SVEnsemble:
         answer = agrees = None
         if max_new_tokens > 0:
             answer = self.generate(prompt, max_new_tokens=max_new_tokens)
-            agrees = _same_answer(answer, response)
+            agrees = same_answer(answer, response)
         return SVEOpinion(
             member_mean_probs=[float(x) for x in member_means],
             mean_prob=float(member_means.mean()),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,17 +47,3 @@ class Overhead:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _words(text: str) -> list[str]:
-    return re.sub(r"[^\w\s]", " ", text.casefold()).split()
-
-
-def _same_answer(answer: str, response: str) -> bool:
-    """Loose agreement: after lower-casing and dropping punctuation, the shorter word sequence
-    occurs contiguously in the longer one ("Paris" agrees with "The capital is Paris.")."""
-    a, r = _words(answer), _words(response)
-    if not a or not r:
-        return False
-    short, long = sorted((a, r), key=len)
-    return any(long[i : i + len(short)] == short for i in range(len(long) - len(short) + 1))

@@ -172,7 +172,7 @@ def test_pipeline_smoke_on_a_synthetic_cache(tmp_path: Path) -> None:
     assert "480 usable answers" in page
     for needle in ("## tiny", "Leave one dataset out", "Choice for traffic unlike", "Goals of issue 12",
                    "| pooled |", "same-pass", "sign stable", "α=0.3 coverage", "sign-stable/within",
-                   "| floor (95%) |", "(paired difference "):
+                   "| floor (95%) |", "(paired difference ", "forward-pass equivalents", "`same-pass` 3.00"):
         assert needle in page, needle
     for fig in ("auroc", "coverage", "lodo"):
         assert (tmp_path / "out" / f"risk_tiny_{fig}.png").stat().st_size > 1000

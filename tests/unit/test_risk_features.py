@@ -86,10 +86,17 @@ def test_zero_or_empty_profile_is_invalid() -> None:
 
 
 def test_costly_features_read_from_the_score_dict() -> None:
-    d = {**BASE, "p_true": 0.8, "sve_disagreement": 0.1}
-    X, ok = feature_matrix([d], ("p_true", "sve_disagreement"))
-    assert ok.all() and list(X[0]) == [0.8, 0.1]
-    assert {"p_true", "sve_disagreement"} == COSTLY
+    sve = ("sve_mean_prob", "sve_variance", "sve_mi", "sve_agree")
+    d = {**BASE, "p_true": 0.8, "sve_mean_prob": 0.6, "sve_variance": 0.01, "sve_mi": 0.2, "sve_agree": 1.0}
+    X, ok = feature_matrix([d], ("p_true", *sve))
+    assert ok.all() and list(X[0]) == [0.8, 0.6, 0.01, 0.2, 1.0]
+    assert {"p_true", *sve} == COSTLY
+    # Priors: a likelier answer and agreeing members mean less risk; spread means more.
+    assert [ORIENTATION[f] for f in sve] == [-1, 1, 1, -1]
+    # Without the opinion the message says which flag computes it.
+    gone = missing_features([BASE], sve)
+    assert set(gone) == set(sve) and all("--sve FILE" in m for m in gone.values())
+    assert "--sve-answer-tokens" in gone["sve_agree"]
 
 
 def test_feature_sets_membership() -> None:
@@ -100,8 +107,12 @@ def test_feature_sets_membership() -> None:
     assert FEATURE_SETS["likelihood"] == lik
     assert FEATURE_SETS["same-pass"] == paper + lik + grad
     assert FEATURE_SETS["same-pass+ptrue"] == paper + lik + grad + ("p_true",)
+    sve = ("sve_mean_prob", "sve_variance", "sve_mi", "sve_agree")
+    assert FEATURE_SETS["same-pass+sve"] == paper + lik + grad + sve
+    assert FEATURE_SETS["same-pass+ptrue+sve"] == paper + lik + grad + ("p_true",) + sve
+    assert resolve_features("same-pass+sve") == ("same-pass+sve", paper + lik + grad + sve)
     free = [k for k, v in FEATURE_SETS.items() if not set(v) & COSTLY]
-    assert "same-pass+ptrue" not in free
+    assert not {"same-pass+ptrue", "same-pass+sve", "same-pass+ptrue+sve"} & set(free)
     assert not set(DEFAULT_FEATURES) & COSTLY  # the default costs nothing extra
     # Every feature is documented in one line and has a prior direction.
     assert set(FEATURE_DOCS) == set(FEATURES) == set(ORIENTATION)

@@ -13,11 +13,11 @@ from transformers import GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 from guarduq import layout
+from guarduq.calibration.labels import same_answer
 from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError, SVEError
 from guarduq.scoring.reuse import decoder_blocks
 from guarduq.sve import SVELinear, SVEnsemble
 from guarduq.sve.layers import _same_logits
-from guarduq.sve.results import _same_answer
 from guarduq.sve.training import _member_batch
 from tests.conftest import make_tokenizer as tiny_tokenizer
 from tests.conftest import tiny_gpt2 as conftest_gpt2
@@ -429,7 +429,7 @@ def test_second_opinion_greedy_answer_matches_base_greedy_when_members_equal_it(
     expected = tok.decode(new, skip_special_tokens=True)
     op = ens.second_opinion(prompt, "very good", max_new_tokens=4)
     assert op.answer == expected
-    assert op.agrees == _same_answer(expected, "very good")
+    assert op.agrees == same_answer(expected, "very good")
 
 
 @pytest.mark.parametrize(
@@ -443,7 +443,7 @@ def test_second_opinion_greedy_answer_matches_base_greedy_when_members_equal_it(
     ],
 )
 def test_answer_agreement_is_word_level(answer, response, same):
-    assert _same_answer(answer, response) is same
+    assert same_answer(answer, response) is same
 
 
 # --------------------------------------------------------------------------- CLI
