@@ -12,8 +12,9 @@ Classification is cloze style, as guarduq scores multiple choice (``Guard.option
 option is the response to the item's prompt, scored by its mean token log-probability (end of
 turn included); the class probabilities are the softmax of those scores over the item's options.
 (A letter-answer format leaves SmolLM2-135M at chance on ARC-Easy: 24.7% on its test split.)
-Every item is padded to the task's largest option count with copies of its first option, masked
-out, so that members folded into one batch hold equal numbers of sequences.
+Each item runs as one packed sequence: the prompt once, then every option, each option attending
+to the prompt and to itself only at the positions it would have alone (``Packed``), so that an
+item costs one prompt plus its options rather than one prompt per option.
 
 Methods (one small subclass each; all share the data order of ``guarduq.sve.training``):
 * ``SVEMethod``: the targeted projections become ``SVELinear`` (frozen U, V; per-member Σ, bias);
@@ -43,7 +44,6 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from guarduq import layout
-from guarduq.batching import right_pad
 from guarduq.calibration.datasets import Item, load_dataset
 from guarduq.layout import PromptLike
 from guarduq.scoring.reuse import StateCapture, decoder_blocks, skip_blocks
@@ -121,47 +121,94 @@ def sample(examples: list[Example], n: int | None, seed: int) -> list[Example]:
 # --------------------------------------------------------------------------- cached states
 
 
-@dataclass
-class Encoded:
-    """A split as option sequences: ids, where each answer starts, the states entering block k.
+@dataclass(frozen=True)
+class Packed:
+    """One item as one sequence: the prompt, then every option after it.
 
-    Item i owns sequences ``i·C .. i·C + C - 1`` (C = ``width``, the task's largest option
-    count); its options beyond ``n_options[i]`` are padding copies, masked out of every score.
+    Option j's tokens attend to the prompt and to their own earlier tokens only, and take the
+    positions they would have right after the prompt, so each option is scored exactly as if it
+    were the response on its own (``Guard.option_probs``) while the prompt runs once, not once
+    per option. ``segments``: 0 for the prompt, j + 1 for option j's tokens.
     """
 
-    ids: list[list[int]]  # per sequence: prompt + option (+ end of turn)
-    starts: list[int]  # per sequence: first option token
+    ids: tuple[int, ...]
+    prompt_len: int
+    spans: tuple[tuple[int, int], ...]  # [start, end) of each option in ``ids``
+
+    @property
+    def segments(self) -> list[int]:
+        seg = [0] * self.prompt_len
+        for j, (a, b) in enumerate(self.spans):
+            seg += [j + 1] * (b - a)
+        return seg
+
+    @property
+    def positions(self) -> list[int]:
+        pos = list(range(self.prompt_len))
+        for a, b in self.spans:
+            pos += list(range(self.prompt_len, self.prompt_len + b - a))
+        return pos
+
+    @property
+    def predictors(self) -> list[list[int]]:
+        """Per option, the position whose output predicts each of its tokens: the prompt's last
+        position for the first, the option's own previous token for the rest."""
+        return [[self.prompt_len - 1, *range(a, b - 1)] for a, b in self.spans]
+
+
+def pack(tok: Any, ex: Example) -> Packed:
+    prompt = layout.prompt_ids(tok, ex.prompt)
+    ids, spans = list(prompt), []
+    for option in ex.options:
+        piece = layout.response_ids(tok, option, ended=True)
+        spans.append((len(ids), len(ids) + len(piece)))
+        ids += piece
+    return Packed(tuple(ids), len(prompt), tuple(spans))
+
+
+def packed_batch(rows: Sequence[Packed], pad: int) -> dict[str, torch.Tensor]:
+    """Right-padded ids, position ids and the 4D boolean mask (True = may attend) of ``rows``.
+
+    A padding query attends to itself only (a row with no key would give NaN in softmax)."""
+    width = max(len(r.ids) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    seg = torch.full((len(rows), width), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        ids[i, :n] = torch.tensor(r.ids)
+        positions[i, :n] = torch.tensor(r.positions)
+        seg[i, :n] = torch.tensor(r.segments)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = (seg.unsqueeze(2) == seg.unsqueeze(1)) | (seg.unsqueeze(1) == 0)  # own option, or the prompt
+    real = (seg >= 0).unsqueeze(1) & (seg >= 0).unsqueeze(2)
+    mask = causal & same & real
+    mask |= torch.eye(width, dtype=torch.bool) & (seg < 0).unsqueeze(2)
+    return {"input_ids": ids, "position_ids": positions, "attention_mask": mask.unsqueeze(1)}
+
+
+@dataclass
+class Encoded:
+    """A split as packed items and the states entering block k, with the base model's scores."""
+
+    rows: list[Packed]
     labels: np.ndarray
     n_options: np.ndarray
-    width: int
-    states: list[torch.Tensor]  # per sequence [len, d]: the input of block k
-    base_logits: torch.Tensor  # [n, C] option scores from the full forward that recorded the states
+    width: int  # the task's largest option count: the score matrix's columns
+    states: list[torch.Tensor]  # per item [len, d]: the input of block k
+    base_logits: torch.Tensor  # [n, width] option scores from the full forward that recorded the states
     seconds: float = 0.0  # time to compute (0 when read from the cache)
 
     def __len__(self) -> int:
-        return len(self.labels)
-
-    def sequences(self, items: Sequence[int]) -> list[int]:
-        return [i * self.width + j for i in items for j in range(self.width)]
-
-
-def option_sequences(tok: Any, examples: Sequence[Example], width: int) -> tuple[list[list[int]], list[int]]:
-    ids, starts = [], []
-    for ex in examples:
-        prompt = layout.prompt_ids(tok, ex.prompt)
-        options = list(ex.options) + [ex.options[0]] * (width - ex.n_options)
-        for option in options:
-            ids.append(prompt + layout.response_ids(tok, option, ended=True))
-            starts.append(len(prompt))
-    return ids, starts
+        return len(self.rows)
 
 
 class Top:
     """The frozen model from block k up, run from cached states; member blocks swap in.
 
-    ``scores`` pads a batch of option sequences on the right (positions and the causal mask
-    stay exact), lets blocks 0..k-1 stand aside returning the cached states, and scores each
-    option by the mean log-probability of its tokens; options an item does not have get -inf.
+    ``logits`` pads a batch of packed items on the right, lets blocks 0..k-1 stand aside
+    returning the cached states, and scores each option by the mean log-probability of its
+    tokens; options an item does not have get -inf.
     """
 
     def __init__(self, model: nn.Module, tok: Any, k: int) -> None:
@@ -176,50 +223,44 @@ class Top:
     def frozen_blocks(self) -> list[nn.Module]:
         return list(self.blocks)[self.k :]
 
-    def option_scores(self, hidden: torch.Tensor, ids: torch.Tensor, starts: Sequence[int],
-                      lengths: Sequence[int]) -> torch.Tensor:
-        """Mean log-probability of each row's answer tokens, from the last hidden states."""
-        rows, pos = [], []
-        for i, (start, length) in enumerate(zip(starts, lengths, strict=True)):
-            rows += [i] * (length - start)
-            pos += list(range(start - 1, length - 1))
-        rows_t, pos_t = torch.tensor(rows), torch.tensor(pos)
-        logits = self.model.get_output_embeddings()(hidden[rows_t, pos_t]).float()
+    def scores(self, hidden: torch.Tensor, rows: Sequence[Packed], ids: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(rows), width] mean log-probability of each option's tokens (-inf: no such option)."""
+        r_idx, p_idx, t_idx, opt = [], [], [], []
+        for i, row in enumerate(rows):
+            for j, ((a, b), pred) in enumerate(zip(row.spans, row.predictors, strict=True)):
+                r_idx += [i] * (b - a)
+                p_idx += pred
+                t_idx += list(range(a, b))
+                opt += [i * width + j] * (b - a)
+        r_t, p_t, t_t, o_t = (torch.tensor(x) for x in (r_idx, p_idx, t_idx, opt))
+        logits = self.model.get_output_embeddings()(hidden[r_t, p_t]).float()
         if self.cap:
             logits = torch.tanh(logits / self.cap) * self.cap
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[rows_t, pos_t + 1].unsqueeze(-1)).squeeze(-1)
-        total = torch.zeros(len(starts)).index_add(0, rows_t, logp)
-        return total / torch.tensor([length - start for start, length in zip(starts, lengths, strict=True)])
-
-    def _as_items(self, scores: torch.Tensor, enc: Encoded, items: Sequence[int]) -> torch.Tensor:
-        scores = scores.reshape(len(items), enc.width)
-        absent = torch.arange(enc.width) >= torch.as_tensor(enc.n_options[list(items)]).unsqueeze(1)
-        return scores.masked_fill(absent, float("-inf"))
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[r_t, t_t].unsqueeze(-1)).squeeze(-1)
+        total = torch.zeros(len(rows) * width).index_add(0, o_t, logp)
+        count = torch.zeros(len(rows) * width).index_add(0, o_t, torch.ones_like(logp))
+        out = (total / count.clamp_min(1)).reshape(len(rows), width)
+        return out.masked_fill(count.reshape(len(rows), width) == 0, float("-inf"))
 
     def logits(self, enc: Encoded, items: Sequence[int], member: Sequence[nn.Module] | None = None) -> torch.Tensor:
         """[len(items), C] option scores of ``items`` of ``enc`` with blocks k.. replaced by ``member``."""
-        seqs = enc.sequences(items)
-        ids = [enc.ids[s] for s in seqs]
-        input_ids, mask = right_pad(ids, self.pad)
-        hidden = enc.states[seqs[0]].new_zeros((len(seqs), input_ids.shape[1], enc.states[0].shape[-1]))
-        for i, s in enumerate(seqs):
-            hidden[i, : enc.states[s].shape[0]] = enc.states[s]
+        rows = [enc.rows[i] for i in items]
+        batch = packed_batch(rows, self.pad)
+        width = batch["input_ids"].shape[1]
+        hidden = enc.states[items[0]].new_zeros((len(items), width, enc.states[items[0]].shape[-1]))
+        for i, item in enumerate(items):
+            hidden[i, : enc.states[item].shape[0]] = enc.states[item]
         with skip_blocks(self.blocks, self.k, hidden), swap_blocks(self.blocks, self.k, member):
-            out = self.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        scores = self.option_scores(out.last_hidden_state, input_ids, [enc.starts[s] for s in seqs],
-                                    [len(x) for x in ids])
-        return self._as_items(scores, enc, items)
+            out = self.model.base_model(**batch, use_cache=False)
+        return self.scores(out.last_hidden_state, rows, batch["input_ids"], enc.width)
 
     def full_logits(self, enc: Encoded, items: Sequence[int], member: Sequence[nn.Module] | None = None) -> torch.Tensor:
         """The same scores from a plain full forward (the reference the cached path must equal)."""
-        seqs = enc.sequences(items)
-        ids = [enc.ids[s] for s in seqs]
-        input_ids, mask = right_pad(ids, self.pad)
+        rows = [enc.rows[i] for i in items]
+        batch = packed_batch(rows, self.pad)
         with swap_blocks(self.blocks, self.k, member):
-            out = self.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-        scores = self.option_scores(out.last_hidden_state, input_ids, [enc.starts[s] for s in seqs],
-                                    [len(x) for x in ids])
-        return self._as_items(scores, enc, items)
+            out = self.model.base_model(**batch, use_cache=False)
+        return self.scores(out.last_hidden_state, rows, batch["input_ids"], enc.width)
 
 
 @contextmanager
@@ -238,43 +279,40 @@ def swap_blocks(blocks: nn.ModuleList, k: int, member: Sequence[nn.Module] | Non
             blocks[k + i] = block
 
 
-def encode_split(top: Top, examples: list[Example], width: int, *, batch: int = 8, cache: Path | None = None,
+def encode_split(top: Top, examples: list[Example], width: int, *, batch: int = 16, cache: Path | None = None,
                  desc: str = "encode") -> Encoded:
-    """Option sequences of every example and their states at block k (one full forward each),
-    cached on disk: the file is keyed by the model's state, k and the prompts, written atomically."""
-    ids, starts = option_sequences(top.tok, examples, width)
+    """Every example packed, with its states at block k (one full forward each), cached on disk:
+    the file is keyed by the model's state, k and the prompts, written atomically."""
+    rows = [pack(top.tok, ex) for ex in examples]
+    window = getattr(top.model.config, "sliding_window", None)
+    if window and max(len(r.ids) for r in rows) > window:
+        raise ValueError(f"a packed item is longer than the model's sliding window ({window}): the packed mask "
+                         "would not apply it")
     labels = np.array([ex.label for ex in examples])
     n_options = np.array([ex.n_options for ex in examples])
-    lengths = [len(x) for x in ids]
+    lengths = [len(r.ids) for r in rows]
     if cache is not None and cache.is_file():
         t = load_file(str(cache))
         if t["lengths"].tolist() == lengths:
-            return Encoded(ids, starts, labels, n_options, width, list(torch.split(t["states"], lengths)),
-                           t["base_logits"])
-    states: list[torch.Tensor | None] = [None] * len(ids)
-    scores = torch.zeros(len(ids))
-    real = [i * width + j for i, ex in enumerate(examples) for j in range(ex.n_options)]  # padding copies later
-    order = sorted(real, key=lambda s: lengths[s])  # little padding per batch
+            return Encoded(rows, labels, n_options, width, list(torch.split(t["states"], lengths)), t["base_logits"])
+    states: list[torch.Tensor | None] = [None] * len(rows)
+    base = torch.zeros(len(rows), width)
+    order = sorted(range(len(rows)), key=lambda i: lengths[i])  # little padding per batch
     start = time.perf_counter()
     with torch.no_grad():
-        for i in tqdm(range(0, len(order), batch * 4), desc=desc, unit="batch", leave=False):
-            rows = order[i : i + batch * 4]
-            input_ids, mask = right_pad([ids[r] for r in rows], top.pad)
+        for i in tqdm(range(0, len(order), batch), desc=desc, unit="batch", leave=False):
+            idx = order[i : i + batch]
+            chunk = [rows[r] for r in idx]
+            b = packed_batch(chunk, top.pad)
             with StateCapture(top.blocks, top.k) as cap:
-                out = top.model.base_model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+                out = top.model.base_model(**b, use_cache=False)
             got = cap.states()
             if got is None:
                 raise RuntimeError("the block before k returned no plain tensor; cannot cache its states")
-            scores[rows] = top.option_scores(out.last_hidden_state, input_ids, [starts[r] for r in rows],
-                                             [lengths[r] for r in rows])
-            for j, r in enumerate(rows):
+            base[idx] = top.scores(out.last_hidden_state, chunk, b["input_ids"], width)
+            for j, r in enumerate(idx):
                 states[r] = got[j, : lengths[r]].clone()
-    for i, ex in enumerate(examples):  # padding options: copies of the item's first option
-        for j in range(ex.n_options, width):
-            states[i * width + j] = states[i * width]
-    base = scores.reshape(len(examples), width)
-    base = base.masked_fill(torch.arange(width) >= torch.as_tensor(n_options).unsqueeze(1), float("-inf"))
-    enc = Encoded(ids, starts, labels, n_options, width, [s for s in states if s is not None], base,
+    enc = Encoded(rows, labels, n_options, width, [s for s in states if s is not None], base,
                   time.perf_counter() - start)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +324,8 @@ def encode_split(top: Top, examples: list[Example], width: int, *, batch: int = 
 
 
 def cache_key(model_fp: str, k: int, width: int, examples: list[Example]) -> str:
-    h = hashlib.sha256(json.dumps([model_fp, k, width, [[e.prompt, e.options, e.label] for e in examples]]).encode())
+    h = hashlib.sha256(json.dumps(["packed", model_fp, k, width,
+                                   [[e.prompt, e.options, e.label] for e in examples]]).encode())
     return h.hexdigest()[:20]
 
 

@@ -88,7 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
     p.add_argument("--train-n", type=int, default=None, help="cap on train items (default: all)")
     p.add_argument("--test-n", type=int, default=None, help="cap on test items (default: all)")
+    p.add_argument("--ood-n", type=int, default=600, help="out-of-distribution items (a seeded sample)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast (fp32 weights) for training and predicting with the top blocks, "
+                        "every method alike; the frozen-block states and the base scores stay fp32")
     p.add_argument("--quick", action="store_true", help="a tiny random model on a synthetic task (make test)")
     p.add_argument("--out", type=Path, default=Path("docs/ensembles"))
     p.add_argument("--work", type=Path, default=cache_root() / "bench-ensembles")
@@ -147,6 +151,8 @@ def make_task(name: str, args: argparse.Namespace, *, base: bool) -> Task:
         raise SystemExit(f"unknown task {name!r}")
     task.splits["train"] = sample(task.splits["train"], args.train_n, seed=0)
     task.splits["test"] = sample(task.splits["test"], args.test_n, seed=0)
+    if "ood" in task.splits:
+        task.splits["ood"] = sample(task.splits["ood"], args.ood_n, seed=0)
     return task
 
 
@@ -190,13 +196,14 @@ class Stages:
         return arrays, info
 
 
-def predict_only(method: Method, top: Top, enc: dict[str, Encoded],
-                 splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def predict_only(method: Method, top: Top, enc: dict[str, Encoded], splits: tuple[str, ...],
+                 bf16: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Predictions of an already trained method (its fit's record kept on it)."""
     arrays, seconds = {}, {}
     for split in splits:
         start = time.perf_counter()
-        arrays[split] = method.predict(top, enc[split])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            arrays[split] = method.predict(top, enc[split])
         seconds[split] = (time.perf_counter() - start) / len(enc[split])
     return arrays, {**(method.fitted_ or {}), "seconds_per_item": seconds}
 
@@ -204,12 +211,13 @@ def predict_only(method: Method, top: Top, enc: dict[str, Encoded],
 def train_and_predict(method: Method, top: Top, enc: dict[str, Encoded], args: argparse.Namespace,
                       splits: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     method.build(top)
-    fit = method.fit(top, enc["train"], steps=args.steps, batch=args.batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        fit = method.fit(top, enc["train"], steps=args.steps, batch=args.batch)
     method.fitted_ = {
         "name": method.name, "settings": method.settings(), "fit": asdict(fit),
         "trainable_per_member": method.trainable_per_member(), "stored": method.stored(),
     }
-    return predict_only(method, top, enc, splits)
+    return predict_only(method, top, enc, splits, args.bf16)
 
 
 def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -227,7 +235,7 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
         cache = work / "states" / f"{split}-{cache_key(fp, k, width, examples)}.safetensors"
         enc[split] = encode_split(top, examples, width, cache=cache, desc=f"{cell} {split}")
     eval_splits = ("dev", "test", "ood") if "ood" in enc else ("dev", "test")
-    settings_key = f"n{args.last_n_blocks}-s{args.steps}-b{args.batch}"
+    settings_key = f"n{args.last_n_blocks}-s{args.steps}-b{args.batch}{'-bf16' if args.bf16 else ''}"
 
     # ---- selection on dev: each family's learning rate (one member), then SVE's sigma_init
     grids = {"sve": floats(args.lr_sve), "lora": floats(args.lr_lora), "deep": floats(args.lr_deep)}
@@ -250,7 +258,7 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
         method = trained[lr]  # trained above, or (a resumed run) trained again: seeded, the same model
         singles[family] = stages.run(
             f"{settings_key}-{family}-m1-lr{lr:g}",
-            lambda m=method: predict_only(m, top, enc, eval_splits) if m.fitted_ is not None
+            lambda m=method: predict_only(m, top, enc, eval_splits, args.bf16) if m.fitted_ is not None
             else train_and_predict(m, top, enc, args, eval_splits))
     sigma_best = None
     for sigma in floats(args.sigma_grid):

@@ -27,7 +27,11 @@ from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
 
 
 def tiny_gemma3() -> torch.nn.Module:
-    """Gemma-3's text model, tiny: scaled embeddings, q/k norms, sliding and global layers."""
+    """Gemma-3's text model, tiny: scaled embeddings, q/k norms, sliding and global layers.
+
+    The packed mask is passed as is, so a sliding window shorter than a sequence would not
+    apply: the harness refuses such sequences (Gemma-3-270m's window is 512; its prompts are
+    far shorter), and the window here is longer than any test sequence."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     from tests.conftest import VOCAB
@@ -35,7 +39,7 @@ def tiny_gemma3() -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=8,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=256, sliding_window=128,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     return Gemma3ForCausalLM(cfg).eval()
@@ -196,3 +200,11 @@ def test_temperature_never_gives_mass_to_an_absent_option() -> None:
     assert scaled[0, 2] == 0.0 and scaled[2, 2] == 0.0
     np.testing.assert_allclose(scaled.sum(1), 1.0)
     np.testing.assert_allclose(apply_temperature(probs, 1.0), probs, atol=1e-12)
+
+
+def test_a_sequence_longer_than_the_sliding_window_is_refused() -> None:
+    model = tiny_gemma3()
+    model.config.sliding_window = 8
+    top = Top(model.requires_grad_(False), make_tokenizer(), 2)
+    with pytest.raises(ValueError, match="sliding window"):
+        encode_split(top, examples(), WIDTH)
