@@ -439,6 +439,19 @@ def render(results: dict[str, Any], out: Path) -> None:
         parts.append("\nPaired bootstrap differences on the same test items:\n")
         parts.append("| difference | value [95%] |\n|---|---|")
         parts += [f"| {k} | {fmt(v)} |" for k, v in res["paired"].items()]
+        parts.append("\nMember diversity on test, and the temperature each ensemble's mean got on dev:\n")
+        parts.append("| method | pairwise disagreement | mean MI (nats) | dev temperature |\n|---|---:|---:|---:|")
+        ts = {r["name"].removesuffix(" + TS"): r["temperature"] for r in res["methods"] if r["name"].endswith("+ TS")}
+        for r in res["methods"]:
+            if r["members"] > 1 and not r["name"].endswith("+ TS"):
+                d = r["diversity"]
+                parts.append(f"| {r['name']} | {d['pairwise_disagreement']:.3f} | {d['mean_mi']:.4f} "
+                             f"| {ts.get(r['name'], float('nan')):.2f} |")
+        logit = res["sve_diagnostics"]["logit_space_mean"]
+        sve_row = next(r for r in res["methods"] if r["name"] == f"SVE M={res['args'].get('sve_members', '16')}")
+        parts.append(f"\nAveraging SVE's members in log space instead (renormalised geometric mean): "
+                     f"ECE {fmt(logit['ece'])}, NLL {fmt(logit['nll'])}, accuracy {fmt(logit['accuracy'])} "
+                     f"(probability space: ECE {fmt(sve_row['ece'])}, NLL {fmt(sve_row['nll'])}).")
         parts.append("\nSelection on dev (NLL):\n")
         parts.append("| family | setting | dev NLL |\n|---|---|---:|")
         for s in f["selection"]:
