@@ -42,12 +42,20 @@ class FrozenStates:
 
     @classmethod
     def compute(
-        cls, model: nn.Module, k: int | None, ids: Sequence[list[int]], pad: int, *, batch: int = 16
+        cls, model: nn.Module, k: int | None, ids: Sequence[list[int]], pad: int, *, batch: int = 16,
+        max_bytes: int = 2 << 30,
     ) -> FrozenStates | None:
         """Run blocks 0..k-1 once per item; None where the model's blocks cannot stand aside
-        (no block list, k = 0, or a block that returns something other than a plain tensor)."""
+        (no block list, k = 0, or a block that returns something other than a plain tensor) or
+        where the states would take more than ``max_bytes`` of memory."""
         blocks = decoder_blocks(model)
         if k is None or blocks is None or not 0 < k < len(blocks):
+            return None
+        width = next((getattr(model.config, key) for key in ("hidden_size", "n_embd", "d_model")
+                      if isinstance(getattr(model.config, key, None), int)), 0)
+        size = sum(len(x) for x in ids) * width * next(model.parameters()).element_size()
+        if size > max_bytes:  # e.g. all of SST-2's 67k sentences: train with every block each step
+            log.info("sve_frozen_states_off", reason="states too large", bytes=size, max_bytes=max_bytes)
             return None
         recorded: list[torch.Tensor] = []
 

@@ -552,3 +552,13 @@ def test_fit_from_cached_frozen_states_ends_where_a_plain_fit_does(arch):
     assert fits[False][1] == 6  # once per step without reuse
     if arch == "llama":  # Llama blocks return plain tensors: states cached, block 0 ran once
         assert fits[True][1] == 1
+
+
+def test_frozen_states_are_not_kept_when_they_would_not_fit_in_memory():
+    from guarduq.sve.frozen import FrozenStates
+
+    ens = SVEnsemble.from_model(tiny_llama(layers=3), tiny_tokenizer(), members=2, last_n_blocks=1)
+    ids = [[5, 6, 7, 8]] * 3
+    kept = FrozenStates.compute(ens.model, 2, ids, 0)
+    assert kept is not None and len(kept.states) == 3 and kept.states[0].shape == (4, 32)
+    assert FrozenStates.compute(ens.model, 2, ids, 0, max_bytes=100) is None  # 3 x 4 x 32 x 4 bytes > 100
