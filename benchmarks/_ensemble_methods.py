@@ -4,7 +4,7 @@ Every method trains only the last N transformer blocks (blocks k = L-N .. L-1) o
 model. Blocks 0..k-1 then compute the same hidden states for every epoch, every member and every
 method, so they run once per sequence (``encode_split``: one full forward, which also gives the
 base model's own answer) and their output h_k is kept; every later pass starts at block k from
-h_k (``Top``), using guarduq's own ``skip_blocks`` (the scorer's generation-reuse path), and costs
+h_k (``Top``), through ``guarduq.sve.frozen.FrozenStates`` (what ``SVEnsemble.fit`` uses), and costs
 about N/L of a full one. ``tests/unit/test_ensembles_bench.py`` checks the cached path against the
 full model with each method's member blocks swapped in.
 
@@ -46,8 +46,9 @@ from tqdm.auto import tqdm
 from guarduq import layout
 from guarduq.calibration.datasets import Item, load_dataset
 from guarduq.layout import PromptLike
-from guarduq.scoring.reuse import StateCapture, decoder_blocks, skip_blocks
+from guarduq.scoring.reuse import StateCapture, decoder_blocks
 from guarduq.sve import LLAMA_TARGETS, SVELinear
+from guarduq.sve.frozen import FrozenStates
 from guarduq.sve.training import _member_batch, clip_per_member
 
 # --------------------------------------------------------------------------- tasks
@@ -247,10 +248,8 @@ class Top:
         rows = [enc.rows[i] for i in items]
         batch = packed_batch(rows, self.pad)
         width = batch["input_ids"].shape[1]
-        hidden = enc.states[items[0]].new_zeros((len(items), width, enc.states[items[0]].shape[-1]))
-        for i, item in enumerate(items):
-            hidden[i, : enc.states[item].shape[0]] = enc.states[item]
-        with skip_blocks(self.blocks, self.k, hidden), swap_blocks(self.blocks, self.k, member):
+        frozen = FrozenStates(self.blocks, self.k, enc.states)  # the library's own cached-state path
+        with frozen.standing_in(items, width), swap_blocks(self.blocks, self.k, member):
             out = self.model.base_model(**batch, use_cache=False)
         return self.scores(out.last_hidden_state, rows, batch["input_ids"], enc.width)
 
