@@ -27,7 +27,7 @@ import csv
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -125,6 +125,41 @@ def split_of(key: str, *, test_fraction: float = 0.3, threshold_fraction: float 
     if u >= 1 - test_fraction - threshold_fraction:
         return "threshold"
     return "fit"
+
+
+def limit_subset(items: Sequence[Item], limit: int | None) -> list[Item]:
+    """What ``--limit`` keeps: the ``limit`` items with the smallest id hash, in file order.
+
+    A stable pseudo-random subset, so a larger limit extends a smaller one and the cache is reused.
+    """
+    if limit is None or limit >= len(items):
+        return list(items)
+    keep = set(sorted((it.id for it in items), key=lambda i: hash_unit(i, "limit"))[:limit])
+    return [it for it in items if it.id in keep]
+
+
+def outside_limits(groups: Mapping[str, Sequence[Item]], limits: Mapping[str, int]) -> dict[str, list[Item]]:
+    """Each dataset's items that ``guarduq calibrate --limit`` would not score, for training a
+    second opinion that never sees what its calibrator is fitted, certified or tested on.
+
+    ``limits`` maps a dataset name to its limit (``""``: every other dataset; a dataset with
+    neither is scored whole, so nothing of it is left). An item is also left out when its question
+    is asked by a scored item of *any* of the datasets: TruthfulQA's gen and mc modes share
+    questions under different ids.
+    """
+    scored_questions: set[str] = set()
+    left: dict[str, list[Item]] = {}
+    for name, items in groups.items():
+        limit = limits.get(name, limits.get(""))
+        scored = limit_subset(items, limit)
+        ids = {it.id for it in scored}
+        scored_questions |= {_question_key(it) for it in scored}
+        left[name] = [it for it in items if it.id not in ids]
+    return {name: [it for it in items if _question_key(it) not in scored_questions] for name, items in left.items()}
+
+
+def _question_key(item: Item) -> str:
+    return " ".join(item.question.split()).casefold()
 
 
 # --------------------------------------------------------------------------- loaders
@@ -236,12 +271,7 @@ class Dataset:
                 n=len(self.skipped),
                 lines=[n for n, _ in self.skipped[:20]],
             )
-        if self.limit is not None and self.limit < len(items):
-            # A stable pseudo-random subset: the `limit` items with the smallest id hash, so a
-            # larger limit extends a smaller one and the cache is reused.
-            keep = set(sorted((it.id for it in items), key=lambda i: hash_unit(i, "limit"))[: self.limit])
-            items = [it for it in items if it.id in keep]
-        return items
+        return limit_subset(items, self.limit)
 
     def _bad(self, lineno: int, message: str) -> None:
         if not self.skip_malformed:

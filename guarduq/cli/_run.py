@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from guarduq.errors import InputError
@@ -59,3 +60,22 @@ def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:
     guard = Guard(model_spec, device=args.device, dtype=args.dtype,
                   **parameter_kwargs(getattr(args, "parameter_set", None)))
     return guard, has_chat_template(guard.tokenizer)
+
+
+def dataset_limits(specs: Sequence[str], names: Sequence[str], option: str = "--limit") -> dict[str, int]:
+    """``--limit``-style values as {dataset: N}, with "" for the one that applies to every other dataset."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        name, _, value = spec.rpartition("=")
+        if name and name not in names:
+            raise InputError(f"{option} {spec}: no --dataset {name!r} (given: {', '.join(names)})")
+        try:
+            n = int(value)
+        except ValueError:
+            raise InputError(f"{option} takes N or DATASET=N, got {spec!r}") from None
+        if n < 1:
+            raise InputError(f"{option} must be >= 1, got {spec}")
+        if name in out:
+            raise InputError(f"{option} given twice for {name or 'every dataset'}")
+        out[name] = n
+    return out

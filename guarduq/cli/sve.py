@@ -15,16 +15,28 @@ import argparse
 import csv
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from guarduq._logging import get_logger
 from guarduq._storage import check_writable
-from guarduq.calibration.datasets import DATASETS, Item, load_dataset
+from guarduq.calibration.datasets import (
+    DATASETS,
+    PROMPT_STYLES,
+    Item,
+    limit_subset,
+    load_dataset,
+    outside_limits,
+)
 from guarduq.cli._help import with_example
-from guarduq.errors import DatasetError
-from guarduq.layout import PromptLike
+from guarduq.cli._run import dataset_limits
+from guarduq.errors import DatasetError, InputError
+from guarduq.layout import PromptLike, has_chat_template
 from guarduq.models import DEFAULT_MODEL, load_model
 from guarduq.sve import KNOWN_TARGETS, SVEnsemble, validate_settings
+
+log = get_logger("cli.sve")
 
 SST2_LABEL_WORDS = ("negative", "positive")  # index = SST-2 label (0 negative, 1 positive)
 SST2_SYSTEM = "Classify the sentiment of the movie review as positive or negative."
@@ -88,10 +100,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "--checkpoint sve.ckpt --out sve.safetensors"),
     )
     t.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
-    t.add_argument("--dataset", required=True, choices=["sst2", *sorted(DATASETS)],
-                   help="sst2 = classification by label words; others = LM loss on correct answers")
-    t.add_argument("--data", type=Path, required=True, help="the dataset file")
-    t.add_argument("--limit", type=int, help="use at most this many items")
+    t.add_argument("--dataset", action="append", required=True, choices=["sst2", *sorted(DATASETS)],
+                   help="sst2 = classification by label words (stands alone); others = LM loss on correct "
+                   "answers, repeatable (pairs with --data, in order)")
+    t.add_argument("--data", action="append", type=Path, required=True, help="the dataset file")
+    t.add_argument("--limit", type=int, help="use at most this many items of each dataset (hash order)")
+    t.add_argument("--exclude-limit", action="append", metavar="N|DATASET=N",
+                   help="leave out what `guarduq calibrate --limit N` scores of each file (and every item "
+                   "asking one of those questions), so the second opinion never trains on what its "
+                   "calibrator is fitted, certified or tested on (repeatable: 1000 truthfulqa-mc=817)")
+    t.add_argument("--prompt-style", choices=("auto", *PROMPT_STYLES), default="auto",
+                   help="auto: instruct with a chat template, few-shot without (as calibrate)")
     t.add_argument("--members", type=int, default=4)
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch-size", type=int, default=4, help="items per member per step")
@@ -111,13 +130,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     check_writable(args.out, "SVE output")  # a folder or read-only path fails now, not after training
     if args.checkpoint is not None:
         check_writable(args.checkpoint, "checkpoint")
-    if args.dataset == "sst2":
-        data: list[Any] = read_sst2(args.data, args.limit)
-        label_words: tuple[str, ...] | None = SST2_LABEL_WORDS
+    if len(args.dataset) != len(args.data):
+        raise InputError(f"--dataset and --data come in pairs: got {len(args.dataset)} --dataset and "
+                         f"{len(args.data)} --data")
+    label_words: tuple[str, ...] | None = None
+    if "sst2" in args.dataset:
+        if len(args.dataset) > 1 or args.exclude_limit:
+            raise InputError("--dataset sst2 stands alone (a classifier over label words), without --exclude-limit")
+        data: list[Any] = read_sst2(args.data[0], args.limit)
+        label_words = SST2_LABEL_WORDS
     else:
-        data = answer_pairs(list(load_dataset(args.dataset, args.data, limit=args.limit)))
-        label_words = None
+        _qa_items(args, "instruct")  # bad files and limits fail before the model loads
     loaded = load_model(args.model)
+    if label_words is None:
+        style = args.prompt_style if args.prompt_style != "auto" else (
+            "instruct" if has_chat_template(loaded.tokenizer) else "fewshot")
+        items = _qa_items(args, style)
+        data = answer_pairs(items)
+        log.info("sve_training_items", n=len(data), per_dataset=dict(Counter(it.dataset for it in items)))
     ens = SVEnsemble.from_model(
         loaded,
         members=args.members,
@@ -142,9 +172,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "model": loaded.info.name,
         "fingerprint": loaded.info.fingerprint,
         "items": len(data),
+        "datasets": sorted(set(args.dataset)),
         "steps": ens.steps_done_,
         "final_loss_mean10": sum(tail) / len(tail) if tail else None,
         "overhead": ens.overhead().to_dict(),
     }
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _qa_items(args: argparse.Namespace, style: str) -> list[Item]:
+    """The training items: each file whole, less what ``--exclude-limit`` says calibrate scores,
+    then at most ``--limit`` per dataset (hash order)."""
+    groups = {}
+    for name, path in zip(args.dataset, args.data, strict=True):
+        if name in groups:
+            raise InputError(f"--dataset {name} given twice")
+        groups[name] = load_dataset(name, path, prompt_style=style).items
+    if args.exclude_limit:
+        groups = outside_limits(groups, dataset_limits(args.exclude_limit, args.dataset, "--exclude-limit"))
+    items = [it for group in groups.values() for it in limit_subset(group, args.limit)]
+    if not items:
+        raise DatasetError("no training items are left once --exclude-limit leaves out what calibrate scores")
+    return items

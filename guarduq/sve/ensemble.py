@@ -392,7 +392,8 @@ class SVEnsemble:
             "members_apart": True,  # per-member loss and clipping (older checkpoints: joint)
         }
         frozen = (
-            FrozenStates.compute(self.model, self._first_block(), [ids for ids, _, _ in items], self._pad_id())
+            FrozenStates.compute(self.model, self._first_block(), [ids for ids, _, _ in items], self._pad_id(),
+                                 progress=progress)
             if reuse_states else None
         )
         ckpt = Path(checkpoint) if checkpoint is not None else None

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from guarduq._logging import get_logger
 from guarduq.batching import right_pad
@@ -43,7 +44,7 @@ class FrozenStates:
     @classmethod
     def compute(
         cls, model: nn.Module, k: int | None, ids: Sequence[list[int]], pad: int, *, batch: int = 16,
-        max_bytes: int = 2 << 30,
+        max_bytes: int = 2 << 30, progress: bool = True,
     ) -> FrozenStates | None:
         """Run blocks 0..k-1 once per item; None where the model's blocks cannot stand aside
         (no block list, k = 0, or a block that returns something other than a plain tensor) or
@@ -69,7 +70,8 @@ class FrozenStates:
         handle = blocks[k - 1].register_forward_hook(record)
         try:
             with torch.no_grad():
-                for start in range(0, len(order), batch):
+                for start in tqdm(range(0, len(order), batch), desc="SVE frozen states", unit="batch",
+                                  disable=not progress):
                     rows = order[start : start + batch]
                     input_ids, mask = right_pad([ids[r] for r in rows], pad)
                     recorded.clear()

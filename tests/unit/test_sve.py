@@ -490,6 +490,59 @@ def test_cli_train_arc_uses_the_lm_loss(model_dir, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["items"] == 3 and out.is_file()
 
 
+def test_cli_train_on_several_datasets_leaves_out_what_calibrate_scores(model_dir, tmp_path, capsys):
+    """--exclude-limit N: nothing `calibrate --limit N` scores of a file is trained on, nor any item
+    asking one of its questions in another file (TruthfulQA's gen and mc modes share questions)."""
+    from guarduq.calibration.datasets import load_dataset
+    from guarduq.cli import main
+
+    def arc_row(i: int, stem: str) -> dict:
+        return {"id": f"q{i}", "question": {"stem": stem, "choices": [
+            {"label": "A", "text": "good"}, {"label": "B", "text": "bad"}]}, "answerKey": "A"}
+
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text("\n".join(json.dumps(arc_row(i, f"pick {i}")) for i in range(12)))
+    trivia = tmp_path / "trivia.jsonl"
+    # item t0 asks arc's q0 question; the rest are new
+    trivia.write_text("\n".join(json.dumps({"id": f"t{i}", "question": f"pick {i}" if i == 0 else f"name {i}",
+                                            "answers": ["x"]}) for i in range(6)))
+    scored = {it.question for it in load_dataset("arc", arc, limit=5)}
+    scored |= {it.question for it in load_dataset("triviaqa", trivia, limit=2)}
+    out = tmp_path / "m.safetensors"
+    argv = ["sve", "train", "--model", model_dir, "--dataset", "arc", "--data", str(arc),
+            "--dataset", "triviaqa", "--data", str(trivia), "--exclude-limit", "5", "--exclude-limit", "triviaqa=2",
+            "--members", "2", "--steps", "1", "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    left_arc = [it for it in load_dataset("arc", arc) if it.question not in scored]
+    left_trivia = [it for it in load_dataset("triviaqa", trivia) if it.question not in scored]
+    assert summary["items"] == len(left_arc) + len(left_trivia)
+    assert len(left_arc) == 12 - 5 and len(left_trivia) == 6 - 2 - 1  # t0 asks a question arc's subset scores
+    assert summary["datasets"] == ["arc", "triviaqa"]
+    # --limit then caps each dataset, in hash order
+    assert main([*argv[:-2], "--limit", "2", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["items"] == 4
+
+
+def test_outside_limits_is_the_complement_of_the_limit_subset() -> None:
+    from guarduq.calibration.datasets import Item, limit_subset, outside_limits
+
+    items = [Item(id=f"d:{i}", dataset="d", kind="qa", prompt=f"q{i}", question=f"q{i}", grader="aliases", answers=("a",))
+             for i in range(50)]
+    other = [Item(id=f"e:{i}", dataset="e", kind="qa", prompt=f"q{i}", question=f"Q{i} ", grader="aliases", answers=("a",))
+             for i in range(50)]  # the same questions up to case and spacing
+    kept = {it.id for it in limit_subset(items, 20)}
+    left = outside_limits({"d": items}, {"d": 20})
+    assert {it.id for it in left["d"]} == {it.id for it in items} - kept
+    left = outside_limits({"d": items, "e": other}, {"d": 20, "": 50})
+    assert left == {"d": [], "e": []}  # e is scored whole, and asks every question d asks
+    left = outside_limits({"d": items, "e": other}, {"": 20})
+    asked = {it.question for it in limit_subset(items, 20)} | {it.question.strip().lower() for it in limit_subset(other, 20)}
+    assert all(it.question not in asked for it in left["d"])
+    assert all(it.question.strip().lower() not in asked for it in left["e"])
+    assert len(left["d"]) < 30  # e's scored questions are left out of d too
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [(["--members", "1"], "members >= 2"), (["--targets", "qproj"], "unknown SVE target"),
