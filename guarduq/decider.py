@@ -76,7 +76,8 @@ class Decider:
         cal = self.calibrator_source
         if cal is None and self.policy is not None:
             cal = self.policy.calibrator_path
-        return tuple(f for f in (self.policy_source, cal) if isinstance(f, Path))
+        second = self.policy.second_calibrator_path if self.policy is not None else None
+        return tuple(f for f in (self.policy_source, cal, second) if isinstance(f, Path))
 
     @classmethod
     def load(
@@ -115,8 +116,11 @@ class Decider:
             if cal is not None and cal.model_fingerprint == model.fingerprint:
                 known_as.add(cal.model_name)
             pol.check_model(known_as, model.fingerprint)
+            second = pol.second_calibrator_path
             bound = pol.bind(second_opinion=binding.second_opinion, allow_callables=binding.allow_callables,
-                             sinks=binding.sinks, calibrator=cal)
+                             sinks=binding.sinks, calibrator=cal,
+                             second_calibrator=Calibrator.load(second, expected_fingerprint=model.fingerprint)
+                             if second is not None and cal is not None else None)
         return cls(bound, cal, policy_source=_source(policy, pol), calibrator_source=_source(spec, spec),
                    binding=binding)
 

@@ -62,6 +62,18 @@ class _DatasetRef(BaseModel):
     n: int
 
 
+class _Cascade(BaseModel):
+    """A cascade's second stage: the first-stage risk band it was fitted and certified in."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
+    first_stage_sha256: str | None
+    band_lower: float | None  # the first stage's threshold (exclusive); None: from the lowest risk
+    band_upper: float  # inclusive
+    band_share: float  # of the fit split's answers inside the band
+    alpha: float
+    delta: float
+
+
 class Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     format: Literal["guarduq-calibrator"]
@@ -82,3 +94,4 @@ class Artifact(BaseModel):
     split: dict[str, float] | None = None
     evaluation_data: dict[str, list[Any]] | None = None
     reference: dict[str, list[float]] | None = None  # fit-split quantiles for drift checks
+    cascade: _Cascade | None = None  # set on a cascade's second stage only

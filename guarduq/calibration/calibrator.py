@@ -141,6 +141,7 @@ class Calibrator:
         self.parameter_set_: str = ALL_PARAMETERS
         self._sha256: str | None = None
         self.created_: str | None = None
+        self.cascade_: dict[str, Any] | None = None  # a cascade's second stage: its band (cascade.py)
 
     @property
     def costly_features(self) -> tuple[str, ...]:
@@ -452,6 +453,7 @@ class Calibrator:
             if include_evaluation_data and self.evaluation_ is not None
             else None,
             "reference": getattr(self, "reference_", None),
+            **({"cascade": self.cascade_} if self.cascade_ is not None else {}),
         }
         return out
 
@@ -545,6 +547,7 @@ class Calibrator:
         self.split_ = art.split
         self.created_ = art.created
         self.reference_ = art.reference
+        self.cascade_ = art.cascade.model_dump() if art.cascade is not None else None
         if art.evaluation_data:
             try:
                 self.evaluation_ = Evaluation.from_data_dict(

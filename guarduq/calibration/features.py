@@ -46,6 +46,14 @@ def _log_epistemic(s: Mapping[str, Any]) -> float:
     return math.log(max(e, EPISTEMIC_FLOOR)) if e >= 0 else math.nan
 
 
+def _logit(p: float) -> float:
+    """log(p / (1 - p)), with p kept inside [PROB_FLOOR, 1 - PROB_FLOOR] (a risk of exactly 0 or 1)."""
+    if not 0 <= p <= 1:
+        return math.nan
+    p = min(max(p, PROB_FLOOR), 1 - PROB_FLOOR)
+    return math.log(p) - math.log1p(-p)
+
+
 def _log_prob(s: Mapping[str, Any], key: str) -> float:
     p = float(_get(s, key))
     return math.log(max(p, PROB_FLOOR)) if p >= 0 else math.nan
@@ -131,6 +139,8 @@ FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
     "sve_variance": lambda s: float(_get(s, "sve_variance")),
     "sve_mi": lambda s: float(_get(s, "sve_mi")),
     "sve_agree": lambda s: float(_get(s, "sve_agree")),
+    # a cascade's second stage (guarduq.calibration.cascade): what the first stage concluded
+    "first_stage_logit": lambda s: _logit(float(_get(s, "first_risk"))),
     # older names, kept so artifacts and scripts that use them still work
     "min_token_prob": lambda s: float(_get(s, "min_token_prob")),
     "n_tokens": lambda s: float(_get(s, "n_tokens")),
@@ -154,6 +164,7 @@ FEATURE_DOCS: dict[str, str] = {
     "sve_variance": "variance of the SVE members' p̄: how much members that fit the data differ (opt-in)",
     "sve_mi": "SVE mutual information per answer token (nats): disagreement on each next token (opt-in)",
     "sve_agree": "1 if the SVE members' own greedy answer agrees with the answer, else 0 (opt-in)",
+    "first_stage_logit": "logit of the first-stage calibrator's risk: all the first stage knows, in one number",
     "min_token_prob": "least likely token's probability (older name; prefer log_min_token_prob)",
     "n_tokens": "answer length in tokens (older name; prefer log_n_tokens)",
     "mean_token_prob": "p̄, the mean token probability",
@@ -178,6 +189,7 @@ ORIENTATION: dict[str, int] = {
     "sve_variance": 1,
     "sve_mi": 1,
     "sve_agree": -1,
+    "first_stage_logit": 1,
     "min_token_prob": -1,
     "n_tokens": 1,
     "mean_token_prob": -1,
@@ -192,6 +204,7 @@ _NEEDS: dict[str, str] = {
     **{key: "an SVE second opinion, one folded forward of the ensemble's members per answer: "
        "`guarduq calibrate --sve FILE` computes it when the feature set asks for it (same-pass+sve)"
        for key in ("sve_mean_prob", "sve_variance", "sve_mi")},
+    "first_risk": "the first-stage risk of a cascade (guarduq.calibration.cascade adds it)",
     "sve_agree": "the SVE members' own greedy answer: `guarduq calibrate --sve FILE` with "
     "--sve-answer-tokens N > 0 computes it when the feature set asks for it (same-pass+sve)",
 }
@@ -213,6 +226,9 @@ FEATURE_SETS: dict[str, tuple[str, ...]] = {
     "same-pass+ptrue": PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",),  # + one extra forward
     "same-pass+sve": PAPER + LIKELIHOOD + GRAD_PROFILE + SVE,  # + an SVE second opinion
     "same-pass+ptrue+sve": PAPER + LIKELIHOOD + GRAD_PROFILE + ("p_true",) + SVE,
+    # a cascade's second stage: the first stage's verdict and the SVE's, no greedy answer
+    "cascade": ("first_stage_logit", "sve_mean_prob", "sve_variance", "sve_mi"),
+    "cascade+agree": ("first_stage_logit", *SVE),
 }
 # The default set: free, available on every cache, and as good as any set within one dataset
 # (docs/results/risk.md). Across several datasets, `same-pass` fitted pooled ranks traffic like

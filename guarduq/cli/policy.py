@@ -73,7 +73,35 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"WARNING: {path}: {report.warning}", file=sys.stderr)
             if args.strict:
                 status = max(status, 1)
+        if policy.second_calibrator_path is not None:
+            line, warning = _second_stage_line(policy, loader)
+            print(f"  {line}")
+            if warning is not None:
+                print(f"WARNING: {path}: {warning}", file=sys.stderr)
+                if args.strict:
+                    status = max(status, 1)
     return status
+
+
+def _second_stage_line(policy: Policy, loader: Callable[[Path], Any]) -> tuple[str, str | None]:
+    """A cascade: the band and the second stage's certified threshold, as ``Policy.bind`` will
+    use them (the same checks: the first stage, alpha and band it was fitted for)."""
+    from guarduq.errors import GuardUQError
+
+    first_path, second_path = policy.calibrator_path, policy.second_calibrator_path
+    assert second_path is not None
+    try:
+        first = loader(first_path) if first_path is not None else None
+        bound = policy.bind(second_opinion=lambda prompt, response: None, calibrator=first,
+                            second_calibrator=loader(second_path))
+    except GuardUQError as exc:
+        return f"second stage {policy.config.second_calibrator}: not usable", str(exc)
+    stage = f"band: threshold < risk <= band = {bound.band_upper:g}"
+    if bound.second_threshold is None:
+        return (f"second stage {policy.config.second_calibrator}: {stage}; no certified so.threshold",
+                f"the second stage certifies no threshold at alpha {policy.alpha:g}: so.risk <= so.threshold never holds")
+    return (f"second stage {policy.config.second_calibrator}: {stage}; so.threshold = "
+            f"{bound.second_threshold:g} (certified at alpha {policy.alpha:g} on the band's answers)", None)
 
 
 def _calibrator_loader() -> Callable[[Path], Any]:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from guarduq.policy.schema import THRESHOLD, THRESHOLD_SIGNAL, Condition
+from guarduq.policy.schema import WORDS, Condition
 
 # ---------------------------------------------------------------- checks
 
@@ -89,8 +89,9 @@ def _resolve(raw: Any, values: Mapping[str, Any]) -> tuple[Any, str]:
     if isinstance(raw, tuple):
         parts = [_resolve(r, values) for r in raw]
         return tuple(p for p, _ in parts), "[" + ", ".join(label for _, label in parts) + "]"
-    if raw == THRESHOLD:
-        return values[THRESHOLD_SIGNAL], f"threshold {_fmt(values[THRESHOLD_SIGNAL])}"
+    if isinstance(raw, str) and raw in WORDS:
+        value = values.get(WORDS[raw])
+        return value, f"{raw} {_fmt(value)}"
     return raw, _fmt(raw)
 
 
@@ -100,8 +101,8 @@ def _signals_in(cond: Condition | None) -> set[str]:
     used: set[str] = set()
     for signal, comp in cond.comparisons():
         used.add(signal)
-        if any(THRESHOLD in (b if isinstance(b, tuple) else (b,)) for _, b in comp.operators()):
-            used.add(THRESHOLD_SIGNAL)
+        for _, b in comp.operators():
+            used |= {WORDS[w] for w in (b if isinstance(b, tuple) else (b,)) if isinstance(w, str) and w in WORDS}
     for sub in (cond.all_ or []) + (cond.any_ or []) + ([cond.not_] if cond.not_ else []):
         used |= _signals_in(sub)
     return used

@@ -14,6 +14,10 @@ mean of the calibration data; raw epistemic values are model-specific, these are
 second-opinion rule list also ``so.mean_prob``, ``so.variance``, ``so.mutual_information`` and
 ``so.agrees``. The word ``threshold`` stands for the risk threshold that ``alpha`` selects from
 the calibrator (the loosest one whose accepted answers are wrong at most ``alpha`` of the time).
+A cascade names a ``second_calibrator`` (a second stage fitted on a band of first-stage risk:
+``guarduq.calibration.cascade``): then ``so.risk`` is its risk from the first-stage risk and the
+second opinion, ``so.threshold`` its certified threshold at ``alpha``, and ``band`` the upper edge
+of the band it was fitted in.
 
 Failures fail closed: when a signal is not finite, the second opinion or a sink fails, the
 ``on_error`` action applies (default: abstain). Misconfiguration (unknown keys, a second-opinion
@@ -42,7 +46,9 @@ from guarduq.errors import EscalationError, PolicyError
 from guarduq.policy.conditions import Check, _evaluate, _fmt, _signals_in
 from guarduq.policy.escalation import make_sink
 from guarduq.policy.schema import (
+    BAND_SIGNAL,
     DEFAULT_ABSTAIN,
+    SO_THRESHOLD_SIGNAL,
     THRESHOLD,
     THRESHOLD_SIGNAL,
     AbstainRule,
@@ -180,6 +186,9 @@ class Policy:
         self._sinks: dict[str, Any] | None = None
         self._calibrated = False  # bound with a calibrator: risk_threshold below is meaningful
         self.risk_threshold: float | None = None
+        self._second: Any = None  # a cascade's second-stage calibrator, when bound
+        self.second_threshold: float | None = None
+        self.band_upper: float | None = None
         self._lock = threading.Lock()
 
     # -- loading
@@ -242,6 +251,13 @@ class Policy:
         return path if path.is_absolute() else self.base_dir / path
 
     @property
+    def second_calibrator_path(self) -> Path | None:
+        if self.config.second_calibrator is None:
+            return None
+        path = Path(self.config.second_calibrator)
+        return path if path.is_absolute() else self.base_dir / path
+
+    @property
     def uses_second_opinion(self) -> bool:
         return any(isinstance(r, SecondOpinionRule) for r in self.config.rules)
 
@@ -286,15 +302,18 @@ class Policy:
         allow_callables: Collection[str] = (),
         sinks: Mapping[str, Any] | None = None,
         calibrator: Any = None,
+        second_calibrator: Any = None,
     ) -> Policy:
         """A copy with its sinks built, its second-opinion provider attached and, given the
         calibrator (``guarduq.calibration.Calibrator``), the risk threshold ``alpha`` selects.
 
         Raises ``PolicyError`` when a rule asks for a second opinion and none is given, when a
         callable sink is not in ``allow_callables``, when ``sinks`` names an undeclared sink, or
-        when the rules need a calibrated signal the calibrator cannot give.
+        when the rules need a calibrated signal the calibrator cannot give. A cascade also needs
+        its ``second_calibrator``, fitted above this calibrator's threshold at ``alpha``.
         """
         threshold = self._threshold_from(calibrator)
+        second_threshold, band_upper = self._second_stage(second_calibrator, calibrator, threshold)
         if self.uses_second_opinion and second_opinion is None:
             names = [r.name for r in self.config.rules if isinstance(r, SecondOpinionRule)]
             raise PolicyError(
@@ -314,7 +333,40 @@ class Policy:
         bound._sinks = built
         bound._calibrated = calibrator is not None
         bound.risk_threshold = threshold
+        bound._second, bound.second_threshold, bound.band_upper = second_calibrator, second_threshold, band_upper
         return bound
+
+    def _second_stage(self, second: Any, first: Any, threshold: float | None) -> tuple[float | None, float | None]:
+        """(so.threshold, band) of a cascade's second stage, checked against the first stage."""
+        if self.config.second_calibrator is None:
+            if second is not None:
+                raise PolicyError(f"policy {self.name!r} names no second_calibrator, but one was given")
+            return None, None
+        if second is None:
+            if first is None:  # an unbound policy (decide passes the signals itself)
+                return None, None
+            raise PolicyError(f"policy {self.name!r} is a cascade: load its second_calibrator "
+                              f"({self.config.second_calibrator}) with its calibrator")
+        stage = getattr(second, "cascade_", None)
+        if not stage:
+            raise PolicyError(f"policy {self.name!r}: second_calibrator is not a cascade's second stage "
+                              "(fit one with guarduq calibrate --cascade-on)")
+        first_sha = getattr(first, "sha256", None)
+        if stage.get("first_stage_sha256") and first_sha and stage["first_stage_sha256"] != first_sha:
+            raise PolicyError(f"policy {self.name!r}: the second stage was fitted on another first-stage "
+                              f"calibrator (sha256 {stage['first_stage_sha256'][:12]}, this one {first_sha[:12]})")
+        if self.alpha is None or not math.isclose(stage["alpha"], self.alpha):
+            raise PolicyError(f"policy {self.name!r} asks for alpha={self.alpha}, but its second stage was "
+                              f"fitted and certified at alpha={stage['alpha']}")
+        lower = stage.get("band_lower")
+        if (lower is None) != (threshold is None) or (lower is not None and not math.isclose(lower, threshold or 0.0)):
+            raise PolicyError(f"policy {self.name!r}: the second stage's band starts at first-stage risk "
+                              f"{lower}, but the policy's threshold is {threshold}: refit it on this calibrator")
+        t2 = second.threshold_for(self.alpha)
+        if t2 is None:
+            log.warning("no_certified_second_threshold", policy=self.name, alpha=self.alpha,
+                        detail="the second stage certifies no threshold at alpha: so.risk <= so.threshold never holds")
+        return (None if t2 is None else float(t2)), float(stage["band_upper"])
 
     def _threshold_from(self, calibrator: Any) -> float | None:
         used = self.signals_used()
@@ -391,7 +443,9 @@ class Policy:
                 except Exception as exc:  # a provider failure is a runtime failure, not a crash
                     raise _Failure("second_opinion", exc) from exc
                 values.update(so.signals())
-                lines.append(f"second opinion: {_so_summary(so)}")
+                values["so.risk"] = self._second_risk(risk, so)
+                lines.append(f"second opinion: {_so_summary(so)}"
+                             + (f" risk={_fmt(values['so.risk'])}" if self._second is not None else ""))
                 outer, outer_name = rule, rule.name
                 rule, inner_checks = self._first_match(outer.rules, values, lines, prefix=f"{outer.name}/")
                 checks += inner_checks
@@ -401,6 +455,19 @@ class Policy:
         except _Failure as failure:
             return self._error_decision(str(failure), response=response, risk=risk, threshold=threshold,
                                         escalation=failure.escalation)
+
+    def _second_risk(self, risk: float | None, so: SecondOpinion) -> float | None:
+        """The second stage's risk from the first stage's and the second opinion's numbers."""
+        if self._second is None or risk is None:
+            return None
+        row = {"first_risk": risk, "sve_mean_prob": so.mean_prob, "sve_variance": so.variance,
+               "sve_mi": so.mutual_information}
+        if so.agrees is not None:
+            row["sve_agree"] = float(so.agrees)
+        try:
+            return float(self._second.risk(row))
+        except Exception as exc:  # e.g. a second stage reading sve_agree, which this opinion lacks
+            raise _Failure("second_stage", exc) from exc
 
     def on_error_decision(self, stage: str, error: BaseException | str, *, response: str = "") -> Decision:
         """The decision when a step before ``decide`` failed (e.g. scoring)."""
@@ -412,6 +479,9 @@ class Policy:
         values = dict(signals)
         if self._calibrated:
             values.setdefault(THRESHOLD_SIGNAL, self.risk_threshold)
+        if self._second is not None:
+            values.setdefault(BAND_SIGNAL, self.band_upper)
+            values.setdefault(SO_THRESHOLD_SIGNAL, self.second_threshold)
         missing = sorted(s for s in self.signals_used() if not s.startswith("so.") and s not in values)
         if missing:
             raise PolicyError(f"policy {self.name!r} needs signal(s) {missing} that were not provided")
@@ -434,6 +504,8 @@ class Policy:
                 sinks: Mapping[str, Any], risk: float | None, threshold: float | None) -> Decision:
         template_values = {k.replace(".", "_"): v for k, v in values.items()}
         template_values[THRESHOLD] = values.get(THRESHOLD_SIGNAL)
+        template_values["so_threshold"] = values.get(SO_THRESHOLD_SIGNAL)
+        template_values["band"] = values.get(BAND_SIGNAL)
         name = None if rule is None else "/".join(n for n in (outer_name, rule.name) if n)
         escalation = None
         if rule is None:

@@ -36,14 +36,23 @@ BASE_SIGNALS = (
 # Signals that only a calibrator can provide (the z-scores use its scaler: standard deviations
 # above the mean of this model's calibration data, a scale that means the same for every model).
 CALIBRATED_SIGNALS = ("risk", "epistemic_z", "aleatoric_z")
-SO_NUMERIC = ("so.mean_prob", "so.variance", "so.mutual_information")
+SO_NUMERIC = ("so.mean_prob", "so.variance", "so.mutual_information", "so.risk")
 SO_BOOL = ("so.agrees",)
 THRESHOLD = "threshold"  # the word a policy writes; the signal carrying its value:
 THRESHOLD_SIGNAL = "risk_threshold"
+# A cascade (``second_calibrator``): ``so.risk`` is its second stage's risk, ``so.threshold`` the
+# threshold certified for it at ``alpha``, and ``band`` the upper edge of the first-stage risk band
+# it was fitted and certified in (guarduq.calibration.cascade).
+SO_THRESHOLD = "so.threshold"
+SO_THRESHOLD_SIGNAL = "so.risk_threshold"
+BAND = "band"
+BAND_SIGNAL = "band_upper"
+# Words a bound may be, and the signal that carries each word's value.
+WORDS: dict[str, str] = {THRESHOLD: THRESHOLD_SIGNAL, SO_THRESHOLD: SO_THRESHOLD_SIGNAL, BAND: BAND_SIGNAL}
 
 # Names a message template may cite: {risk:.0%}, {threshold:.0%}, {so_mean_prob:.2f}, ...
 TEMPLATE_NAMES = frozenset(
-    [*BASE_SIGNALS, THRESHOLD, *(s.replace(".", "_") for s in SO_NUMERIC + SO_BOOL)]
+    [*BASE_SIGNALS, THRESHOLD, BAND, "so_threshold", *(s.replace(".", "_") for s in SO_NUMERIC + SO_BOOL)]
 )
 
 DEFAULT_ABSTAIN = "I'm not confident enough to answer this reliably."
@@ -70,14 +79,14 @@ def _bound(value: Any, *, allow_bool: bool) -> float | bool | str:
     if isinstance(value, bool):
         if allow_bool:
             return value
-        raise ValueError("expected a number or 'threshold', got a boolean")
+        raise ValueError(f"expected a number or one of {', '.join(map(repr, WORDS))}, got a boolean")
     if isinstance(value, int | float):
         if not math.isfinite(value):
             raise ValueError(f"expected a finite number, got {value}")
         return float(value)
-    if value == THRESHOLD:
-        return THRESHOLD
-    raise ValueError(f"expected a number or 'threshold', got {value!r}")
+    if isinstance(value, str) and value in WORDS:
+        return value
+    raise ValueError(f"expected a number or one of {', '.join(map(repr, WORDS))}, got {value!r}")
 
 
 Bound = Annotated[float | str, PlainValidator(lambda v: _bound(v, allow_bool=False))]
@@ -133,6 +142,7 @@ class Condition(_Strict):
     so_variance: Comparison | None = Field(None, alias="so.variance")
     so_mutual_information: Comparison | None = Field(None, alias="so.mutual_information")
     so_agrees: Comparison | None = Field(None, alias="so.agrees")
+    so_risk: Comparison | None = Field(None, alias="so.risk")
 
     @model_validator(mode="after")
     def _not_empty(self) -> Condition:
@@ -287,6 +297,9 @@ class PolicyConfig(_Strict):
     description: str = ""
     model: str | None = Field(None, description="expected model name or fingerprint (prefix)")
     calibrator: str | None = Field(None, description="artifact path, relative to the policy file")
+    second_calibrator: str | None = Field(
+        None, description="a cascade's second stage (guarduq calibrate --cascade-on), relative to the policy "
+        "file: gives so.risk, so.threshold and band")
     alpha: float | None = Field(None, gt=0, lt=1, description="selects `threshold`")
     mode: Literal["enforce", "shadow"] = "enforce"
     on_error: OnError = OnError()

@@ -15,8 +15,10 @@ from pydantic import (
 
 from guarduq.errors import PolicyError
 from guarduq.policy.schema import (
+    BAND,
     CALIBRATED_SIGNALS,
     SO_BOOL,
+    SO_THRESHOLD,
     THRESHOLD,
     AbstainRule,
     AllowRule,
@@ -134,6 +136,10 @@ def _semantic_issues(cfg: PolicyConfig, locator: _Locator) -> list[PolicyIssue]:
 
     if cfg.alpha is not None and cfg.calibrator is None:
         add(("alpha",), "alpha selects a threshold from a calibrator, but no 'calibrator' is set")
+    if cfg.second_calibrator is not None and cfg.calibrator is None:
+        add(("second_calibrator",), "a cascade's second stage reads the first stage's risk: set 'calibrator' too")
+    if cfg.second_calibrator is not None and not any(isinstance(r, SecondOpinionRule) for r in cfg.rules):
+        add(("second_calibrator",), "second_calibrator is read by a second_opinion rule, and there is none")
     seen: dict[str, Loc] = {}
 
     def check_rules(rules: Sequence[Any], base: Loc, nested: bool) -> None:
@@ -166,6 +172,10 @@ def _semantic_issues(cfg: PolicyConfig, locator: _Locator) -> list[PolicyIssue]:
                 add(sloc, f"{signal} is only known inside a second_opinion rule list")
             if signal in CALIBRATED_SIGNALS and cfg.calibrator is None:
                 add(sloc, f"{signal} comes from the calibrator: set 'calibrator' to use it")
+            words = {w for _, b in comp.operators() for w in (b if isinstance(b, tuple) else (b,))}
+            if (signal == "so.risk" or words & {SO_THRESHOLD, BAND}) and cfg.second_calibrator is None:
+                add(sloc, "so.risk, so.threshold and band come from a cascade's second stage: set "
+                    "'second_calibrator' to use them")
             for op, bound in comp.operators():
                 check_bound(signal, op, bound, (*sloc, op))
 
@@ -182,6 +192,12 @@ def _semantic_issues(cfg: PolicyConfig, locator: _Locator) -> list[PolicyIssue]:
                 add(loc, "'threshold' is a risk threshold: compare it with risk only")
             elif cfg.alpha is None:
                 add(loc, "'threshold' needs 'alpha' (the target error rate that selects it)")
+        if SO_THRESHOLD in values and signal != "so.risk":
+            add(loc, "'so.threshold' is the second stage's risk threshold: compare it with so.risk only")
+        if BAND in values and signal != "risk":
+            add(loc, "'band' is an edge of the first-stage risk band: compare it with risk only")
+        if (SO_THRESHOLD in values or BAND in values) and cfg.alpha is None:
+            add(loc, "'so.threshold' and 'band' need 'alpha' (the target error rate that selects them)")
         numbers = all(isinstance(v, float) for v in values)
         if op in ("between", "outside") and numbers and values[0] > values[1]:
             add(loc, f"{op} needs [low, high], got [{values[0]:g}, {values[1]:g}]")

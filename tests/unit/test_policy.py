@@ -84,7 +84,7 @@ SCHEMA_CASES = {
     ),
     "bound is not a number": (
         "rules:\n  - name: a\n    when:\n      epistemic: {gt: big}  # HERE\n    action: allow\n",
-        "rules[0].when.epistemic.gt", "expected a number or 'threshold', got 'big'",
+        "rules[0].when.epistemic.gt", "expected a number or one of 'threshold', 'so.threshold', 'band', got 'big'",
     ),
     "bad mode": (
         "mode: enforced  # HERE\nrules:\n  - {name: a, action: allow}\n",
