@@ -18,7 +18,9 @@ more per model (merged, one record per item), opened read-only (a live cache bei
 * the candidate that analysis picks for traffic unlike the calibration data, and which of the
   issue's goals it and the shipped set (``MIXED_SET``, pooled) meet;
 * what each feature set costs per answer, in forward-pass equivalents
-  (``features.forward_equivalents``; the SVE shape is read from the cache's SVE records).
+  (``features.forward_equivalents``; the SVE shape is read from the cache's SVE records);
+* each costly set next to ``same-pass`` (paired AUROC differences, LODO, coverage, cost;
+  ``_risk_costly``). Cascade second stages (``first_stage_logit``) belong to benchmarks/cascade.py.
 
 Opt-in features (P(True), the SVE second opinion) are measured where the cache holds them:
 ``guarduq calibrate --features same-pass+ptrue+sve --sve FILE`` adds them to the cache; a set
@@ -49,6 +51,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pages import write_page  # noqa: E402
+from _risk_costly import costly_section  # noqa: E402
 
 from guarduq.calibration.analysis import (  # noqa: E402
     Candidate,
@@ -88,6 +91,8 @@ STRONG_C = 0.01
 # The shipped calibrator's set (Makefile CAL_FEATURES), fitted pooled: the choice for traffic like
 # the calibration mix, whose goals are reported next to those of the leave-one-out choice.
 MIXED_SET = "same-pass"
+# The sets this page measures: a cascade's second stage reads a first stage's risk, which no cache holds.
+RISK_SETS = {k: v for k, v in FEATURE_SETS.items() if "first_stage_logit" not in v}
 
 
 def group_of(item_id: str) -> str:
@@ -113,7 +118,7 @@ def load_cache(path: Path) -> list[Any]:
 def measurable_sets(feats: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """The feature sets whose every feature some record holds; the others (e.g. ``+sve`` on a
     cache without SVE opinions) are listed as not measurable."""
-    return {k: v for k, v in FEATURE_SETS.items() if all(f in feats for f in v)}
+    return {k: v for k, v in RISK_SETS.items() if all(f in feats for f in v)}
 
 
 def sve_shapes(records: list[Any]) -> Counter[SVEShape]:
@@ -153,14 +158,19 @@ def _ci(auc: float | None, ci: tuple[float | None, float | None]) -> str:
     return f"{auc:.2f} [{_fmt(lo)}, {_fmt(hi)}]" if lo is not None else f"{auc:.2f}"
 
 
-def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) -> tuple[list[str], dict[str, Any]]:
-    """Every table for one model; returns (markdown lines, figures data + goal checks)."""
+def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path,
+                  costly: bool = True) -> tuple[list[str], dict[str, Any]]:
+    """Every table for one model; returns (markdown lines, figures data + goal checks).
+
+    Only answers that hold every available feature are measured, so a cache where some answers
+    also hold P(True) or SVE features measures those answers alone; ``costly=False`` ignores the
+    costly features and measures every answer on the free ones."""
     lines: list[str] = []
     scores = [r.scores for r in records]
-    feats = available(scores, ALL_SIGNALS)
+    feats = available(scores, ALL_SIGNALS if costly else tuple(f for f in ALL_SIGNALS if f not in COSTLY))
     free = tuple(f for f in feats if f not in COSTLY)
     sets = measurable_sets(feats)
-    skipped_sets = sorted(set(FEATURE_SETS) - set(sets))
+    skipped_sets = sorted(set(RISK_SETS) - set(sets))
     # Every set and signal is measured on the same items: those valid for every available feature.
     _, ok = feature_matrix(scores, feats)
     recs = [r for r, k in zip(records, ok, strict=True) if k]
@@ -356,8 +366,11 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path) ->
     if MIXED_SET in show_sets and measured != MIXED_SET:
         goals.update({f"{k}, `{MIXED_SET}`": v for k, v in
                       _cell_goals(results, singles, MIXED_SET, cells, best_single, n_boot).items() if k != "set measured"})
-    lines += ["", "### Goals of issue 12", ""] + [f"- {k}: {v}" for k, v in goals.items()] + [""]
-    fig = {"results": results, "singles": singles, "cells": cells, "sets": list(show_sets),
+    costly_lines, costly = costly_section(
+        results, cells, sets, {d: labelled(by_ds[d]) for d in datasets}, sve_shapes(recs), ALPHAS, n_boot,
+        progress=lambda xs: tqdm(xs, desc=f"{model} costly LODO", file=sys.stderr))
+    lines += [*costly_lines, "", "### Goals of issue 12", ""] + [f"- {k}: {v}" for k, v in goals.items()] + [""]
+    fig = {"costly": costly, "results": results, "singles": singles, "cells": cells, "sets": list(show_sets),
            "lodo": lodo, "candidates": candidates, "goals": goals, "feats": feats, "chosen": chosen, "best_single": best_single}
     _figures(model, fig, out_dir)
     return lines, fig
@@ -503,12 +516,15 @@ def main(argv: list[str] | None = None) -> int:
                     "(repeatable; calibrate writes one cache per dataset under runs/cache/MODEL/)")
     ap.add_argument("--out", type=Path, default=Path("docs/results"), help="folder for risk.md + PNGs")
     ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples per AUROC interval")
+    ap.add_argument("--free-only", action="store_true",
+                    help="ignore P(True) and SVE features: measure every answer on the free ones (else only "
+                    "the answers that hold the costly features are measured)")
     args = ap.parse_args(argv)
     logging.getLogger("guarduq").setLevel(logging.ERROR)  # "no threshold met" is in the tables
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     body = [f"Generated by `python benchmarks/risk.py {' '.join('--cache ' + c for c in args.cache)}"
-            f" --n-boot {args.n_boot}` from the scoring caches (no model loaded)."]
+            f" --n-boot {args.n_boot}{' --free-only' if args.free_only else ''}` from the scoring caches (no model loaded)."]
     by_model: dict[str, list[Any]] = defaultdict(list)
     for spec in args.cache:
         model, sep, paths = spec.partition("=")
@@ -520,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 by_model[model].extend(load_cache(Path(path)))
     for model, recs in by_model.items():
         records = list({(r.id, r.model_fingerprint): r for r in recs}.values())  # cached twice: counted once
-        lines, fig = analyse_model(model, records, args.n_boot, args.out)
+        lines, fig = analyse_model(model, records, args.n_boot, args.out, costly=not args.free_only)
         safe = model.replace("/", "_")
         body += ["", *lines, f"![AUROC per cell](risk_{safe}_auroc.png)", "",
                  f"![risk-coverage](risk_{safe}_coverage.png)"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,22 @@ TOOL_CHATML = (
     "{% if tools %}<|im_start|>system\nTools (call one as <tool_call>{\"name\": ..., \"arguments\": ...}"
     "</tool_call>):\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}" + CHATML
 )
+
+
+def load_benchmark(name: str, as_name: str | None = None) -> Any:
+    """``benchmarks/<name>.py`` as a module (the scripts are not a package); registered under
+    ``as_name`` when given (dataclasses in it need their module in ``sys.modules``)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(as_name or f"{name}_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    if as_name:
+        sys.modules[as_name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def make_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:

@@ -3,10 +3,10 @@ whose answer is known, and a smoke run of benchmarks/risk.py on a synthetic scor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +28,7 @@ from guarduq.calibration.analysis import (
 from guarduq.calibration.evaluation import ScoredItem
 from guarduq.calibration.features import FEATURE_SETS
 from guarduq.errors import CalibrationError
+from tests.conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 # log_epistemic's direction: + on a and b, - on c and d; mean_logprob: the same on all four.
@@ -142,12 +143,8 @@ def test_robust_single_keeps_the_signal_that_never_flips() -> None:
 # --------------------------------------------------------------------------- the pipeline
 
 
-def _load_risk_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("risk_bench", ROOT / "benchmarks" / "risk.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _load_risk_module() -> Any:
+    return load_benchmark("risk")
 
 
 def test_pipeline_smoke_on_a_synthetic_cache(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ forward-pass equivalents; benchmarks/risk.py's sets; and the ``--sve`` flags of 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ from guarduq.cli import main
 from guarduq.errors import InputError
 from guarduq.sve import SVEnsemble
 from guarduq.sve.results import SVEOpinion
-from tests.conftest import make_tokenizer, tiny_llama
+from tests.conftest import load_benchmark, make_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "my_logs.jsonl"
@@ -164,11 +163,7 @@ def test_forward_equivalents_per_feature_set() -> None:
 
 
 def _risk_module() -> Any:
-    spec = importlib.util.spec_from_file_location("risk_bench_sve", ROOT / "benchmarks" / "risk.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("risk")
 
 
 def test_risk_benchmark_skips_sve_sets_on_a_cache_without_them_and_prices_them_on_one_with() -> None:
