@@ -221,3 +221,26 @@ def test_cli_fits_a_second_stage_the_policy_then_binds(tmp_path: Path, tiny_mode
     t2 = second.threshold_for(0.6)
     assert (f"so.threshold = {t2:g}" in out) if t2 is not None else ("no certified so.threshold" in out)
     assert status == 0
+
+
+def test_decider_loads_the_second_stage_the_policy_names_and_refuses_another_models(
+    stages: tuple[Calibrator, Calibrator], tmp_path: Path,
+) -> None:
+    import yaml
+
+    from guarduq.decider import Binding, Decider
+    from guarduq.errors import FingerprintMismatchError
+
+    first, second = stages
+    first.model_fingerprint = second.model_fingerprint = "a" * 32
+    policy = _policy(tmp_path, first, second)  # saves both files beside the policy
+    path = tmp_path / "cascade.yaml"
+    path.write_text(yaml.safe_dump(policy.config.model_dump(mode="json", by_alias=True, exclude_none=True)))
+    model = SimpleNamespace(name="m", fingerprint="a" * 32)
+    decider = Decider.load(path, None, model, Binding(second_opinion=lambda p, r: None))  # type: ignore[arg-type]
+    assert decider.policy is not None and decider.policy.band_upper == band_of(second).upper
+    assert tmp_path / "second.json" in decider.files()  # a reload (serve --watch) re-reads it
+    second.model_fingerprint = "b" * 32
+    second.save(tmp_path / "second.json")
+    with pytest.raises(FingerprintMismatchError):
+        decider.reloaded(model)  # type: ignore[arg-type]
