@@ -100,7 +100,15 @@ def _error_ci(accepted: np.ndarray, y: np.ndarray, idx: np.ndarray) -> tuple[flo
     return float(np.percentile(rates, 2.5)), float(np.percentile(rates, 97.5))
 
 
-def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
+def _name(feats: str, share: float) -> str:
+    return f"{feats} {share:.0%}"  # e.g. "cascade 33%": the second stage's features, the share that pays
+
+
+MAIN = _name("cascade", 1 / 3)
+
+
+def run(parts: dict[str, Any], n_boot: int, policy_alpha: float, alphas: tuple[float, ...] = FINE_ALPHAS,
+        seed: int = 0) -> dict[str, Any]:
     """Every method at every alpha; test-split outcomes with paired bootstrap intervals."""
     (fit_s, fit_y), (thr_s, thr_y), (test_s, y) = parts["fit"], parts["threshold"], parts["test"]
     first = Calibrator(FIRST_SET).fit(fit_s, fit_y)
@@ -110,7 +118,7 @@ def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
 
     def certified(cal: Calibrator, delta: float) -> Calibrator:
         c = copy.deepcopy(cal)
-        c.fit_thresholds(thr_s, thr_y, alphas=FINE_ALPHAS, delta=delta)
+        c.fit_thresholds(thr_s, thr_y, alphas=alphas, delta=delta)
         return c
 
     first_full, first_half, every_full = certified(first, DELTA), certified(first, DELTA / 2), certified(everything, DELTA)
@@ -119,7 +127,8 @@ def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
     lowest: dict[str, float | None] = {}
     curves: dict[str, Any] = {"first stage": r1.tolist(), "second opinion on everything": r_all.tolist()}
     coefficients: dict[str, Any] = {}
-    for alpha in tqdm(FINE_ALPHAS, desc="cascade alphas", file=sys.stderr):
+    band_auroc: dict[str, Any] = {}
+    for alpha in tqdm(alphas, desc="cascade alphas", file=sys.stderr):
         accepted: dict[str, np.ndarray] = {}
         info: dict[str, dict[str, Any]] = {}
         t1, ta = first_full.threshold_for(alpha), every_full.threshold_for(alpha)
@@ -129,7 +138,7 @@ def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
         info["second opinion on everything"] = {"paid": 1.0, "threshold": ta, "certified": ta is not None}
         for feats in SECOND_SETS:
             for share in SHARES:
-                name = f"cascade {feats}, share {share:.2f}"
+                name = _name(feats, share)
                 try:
                     second = fit_second_stage(first_half, fit_s, fit_y, thr_s, thr_y, alpha=alpha,
                                               delta=DELTA / 2, share=share, features=feats)
@@ -143,6 +152,8 @@ def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
                               "band": [band.lower, band.upper], "certified": t1h is not None or t2 is not None}
                 if feats == "cascade" and math.isclose(share, 1 / 3):
                     coefficients[str(alpha)] = second.coefficients()
+                    if math.isclose(alpha, policy_alpha):
+                        band_auroc = _inside_band(band.contains(r1), y, r1, r2, test_s, n_boot)
                     # one risk per answer: the second stage's in the band, the first stage's elsewhere
                     curves[f"cascade at alpha {alpha:g}"] = np.where(band.contains(r1), r2, r1).tolist()
         base = accepted["first stage"].astype(float)
@@ -163,7 +174,23 @@ def run(parts: dict[str, Any], n_boot: int, seed: int = 0) -> dict[str, Any]:
             lowest.setdefault(name, None)
         rows[str(alpha)] = row
     return {"alphas": rows, "lowest": lowest, "curves": curves, "labels": y.tolist(),
-            "coefficients": coefficients, "n": {k: int(v[1].size) for k, v in parts.items()}}
+            "coefficients": coefficients, "band_auroc": band_auroc, "n": {k: int(v[1].size) for k, v in parts.items()}}
+
+
+def _inside_band(inside: np.ndarray, y: np.ndarray, r1: np.ndarray, r2: np.ndarray,
+                 scores: list[dict[str, Any]], n_boot: int) -> dict[str, Any]:
+    """How well each signal tells wrong from right among the test answers in the band: the
+    second opinion is worth its cost only if it separates what the first stage could not."""
+    from guarduq.calibration.analysis import bootstrap_auroc
+    from guarduq.calibration.features import FEATURES, ORIENTATION
+
+    wrong = (y[inside] == 0).astype(float)
+    rows = [s for s, k in zip(scores, inside, strict=True) if k]
+    signals = {"first-stage risk": r1[inside], "second-stage risk": r2[inside]}
+    for f in FEATURE_SETS["cascade+agree"][1:]:
+        signals[f] = ORIENTATION[f] * np.array([FEATURES[f](s) for s in rows])
+    return {"n": int(inside.sum()), "wrong": int(wrong.sum()),
+            **{k: bootstrap_auroc(wrong, v, n_boot=n_boot) for k, v in signals.items()}}
 
 
 def _lowest_line(lowest: dict[str, float | None]) -> str:
@@ -184,8 +211,7 @@ def page(res: dict[str, Any], shape: SVEShape | None, datasets: list[str], polic
     """The GENERATED block: setup, the table per alpha, lowest alphas, goals, per-dataset split."""
     n = res["n"]
     sve_cost = (forward_equivalents(FEATURE_SETS[EVERYTHING_SET], shape) or math.nan) - 3.0
-    methods = ["first stage", *(f"cascade {f}, share {s:.2f}" for f in SECOND_SETS for s in SHARES),
-               "second opinion on everything"]
+    methods = ["first stage", *(_name(f, s) for f in SECOND_SETS for s in SHARES), "second opinion on everything"]
     lines = [
         f"Answers valid for every method: fit {n['fit']}, threshold {n['threshold']}, test {n['test']} "
         f"({len(set(datasets))} datasets pooled; test answers per dataset: "
@@ -199,12 +225,15 @@ def page(res: dict[str, Any], shape: SVEShape | None, datasets: list[str], polic
         "",
         "Coverage (share of test answers accepted) and error rate among them, in %, with bootstrap 95% "
         "intervals over the test answers; `held`: error rate ≤ α; `gain`: coverage minus the first "
-        "stage's on the same answers (paired). `–`: nothing certified at that α.",
+        "stage's on the same answers (paired). `–`: nothing certified at that α. `cascade 33%`: second "
+        "stage over the first stage's logit and the SVE's member mean, variance and mutual information, "
+        "the next third of answers above the first stage's threshold paying; `cascade+agree`: also whether "
+        "the members' own greedy answer agrees.",
         "",
         "| α | " + " | ".join(methods) + " |",
         "|---|" + "---|" * len(methods),
     ]
-    for a in ALPHAS:
+    for a in [a for a in ALPHAS if str(a) in res["alphas"]]:
         row = res["alphas"][str(a)]
         cells = []
         for m in methods:
@@ -220,9 +249,16 @@ def page(res: dict[str, Any], shape: SVEShape | None, datasets: list[str], polic
                 txt += f", paid {_pct(c['paid'])}"
             cells.append(txt)
         lines.append(f"| {a:g} | " + " | ".join(cells) + " |")
-    lines += ["", "Lowest α each method certifies (grid 0.2–0.8 by 0.025): " + _lowest_line(res["lowest"]) + ".", ""]
+    lines += ["", f"Lowest α each method certifies (of {min(map(float, res['alphas'])):g} to "
+              f"{max(map(float, res['alphas'])):g}, {len(res['alphas'])} values): " + _lowest_line(res["lowest"]) + ".", ""]
     lines += ["### Goal", "", goal_text(res), ""]
     lines += ["![coverage per alpha](cascade_coverage.png)", "", "![risk-coverage](cascade_risk_coverage.png)", ""]
+    band = res.get("band_auroc") or {}
+    if band:
+        lines += [f"Inside the band at α = {policy_alpha:g} ({band['n']} test answers, {band['wrong']} wrong): "
+                  "AUROC for wrong answers, bootstrap 95% interval: " + "; ".join(
+                      f"{k} {v[0]:.2f} [{v[1]:.2f}, {v[2]:.2f}]" if v[1] is not None else f"{k} {v[0] if v[0] is None else round(v[0], 2)}"
+                      for k, v in band.items() if k not in ("n", "wrong")) + ".", ""]
     coef = res["coefficients"].get(str(policy_alpha))
     if coef:
         lines += [f"Second stage at α = {policy_alpha:g} (share 1/3), standardised coefficients on P(wrong): "
@@ -233,7 +269,7 @@ def page(res: dict[str, Any], shape: SVEShape | None, datasets: list[str], polic
 def goal_text(res: dict[str, Any]) -> str:
     """Issue 24's goal: a lower certified alpha, or >= 5 points more coverage at the same alpha,
     with at most a third paying; else say by how much it falls short."""
-    main = "cascade cascade, share 0.33"
+    main = MAIN
     lo_first, lo_c = res["lowest"].get("first stage"), res["lowest"].get(main)
     best = None
     for a, row in res["alphas"].items():
@@ -265,9 +301,8 @@ def figures(res: dict[str, Any], out: Path, policy_alpha: float) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     alphas = [float(a) for a in res["alphas"]]
-    for m, style in (("first stage", "k-"), ("cascade cascade, share 0.33", "C0-"),
-                     ("cascade cascade+agree, share 0.33", "C0--"), ("cascade cascade, share 0.20", "C2-"),
-                     ("second opinion on everything", "C3-")):
+    for m, style in (("first stage", "k-"), (MAIN, "C0-"), (_name("cascade+agree", 1 / 3), "C0--"),
+                     (_name("cascade", 0.2), "C2-"), ("second opinion on everything", "C3-")):
         cov = [row.get(m, {}).get("coverage") if row.get(m, {}).get("certified") else np.nan
                for row in res["alphas"].values()]
         ax.plot(alphas, [np.nan if c is None else c for c in cov], style, label=m, marker=".")
@@ -304,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/cascade"))
     ap.add_argument("--n-boot", type=int, default=1000)
     ap.add_argument("--policy-alpha", type=float, default=0.7, help="the alpha the shipped cascade policy uses")
+    ap.add_argument("--alpha", type=float, action="append", help="only these alphas (default 0.2 to 0.8 by 0.025)")
     args = ap.parse_args(argv)
     logging.getLogger("guarduq").setLevel(logging.ERROR)  # "no threshold met" is in the tables
     parts, datasets, shape = load(args.cache)
-    res = run(parts, args.n_boot)
+    res = run(parts, args.n_boot, args.policy_alpha, tuple(args.alpha) if args.alpha else FINE_ALPHAS)
     args.out.mkdir(parents=True, exist_ok=True)
     figures(res, args.out, args.policy_alpha)
     (args.out / "results.json").write_text(json.dumps(
