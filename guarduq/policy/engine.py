@@ -351,6 +351,10 @@ class Policy:
         if not stage:
             raise PolicyError(f"policy {self.name!r}: second_calibrator is not a cascade's second stage "
                               "(fit one with guarduq calibrate --cascade-on)")
+        unknown = sorted(set(getattr(second, "features", ())) - {"first_stage_logit", "sve_mean_prob", "sve_variance", "sve_mi"})
+        if unknown:
+            raise PolicyError(f"policy {self.name!r}: the second stage reads {unknown}, which a second opinion "
+                              "asked at serving time does not give (fit it with --features cascade)")
         first_sha = getattr(first, "sha256", None)
         if stage.get("first_stage_sha256") and first_sha and stage["first_stage_sha256"] != first_sha:
             raise PolicyError(f"policy {self.name!r}: the second stage was fitted on another first-stage "

@@ -244,3 +244,17 @@ def test_decider_loads_the_second_stage_the_policy_names_and_refuses_another_mod
     second.save(tmp_path / "second.json")
     with pytest.raises(FingerprintMismatchError):
         decider.reloaded(model)  # type: ignore[arg-type]
+
+
+def test_policy_refuses_a_second_stage_reading_what_serving_does_not_give(
+    stages: tuple[Calibrator, Calibrator], tmp_path: Path,
+) -> None:
+    """sve_agree needs the members' greedy answer, which the policy never asks for: such a second
+    stage would score every band answer as invalid (risk 1.0), so it is refused at bind."""
+    first, second = stages
+    pol = _policy(tmp_path, first, second)
+    agree = Calibrator(("first_stage_logit", "sve_mean_prob", "sve_agree"), C=1.0)
+    agree.cascade_ = second.cascade_
+    with pytest.raises(PolicyError, match="sve_agree"):
+        pol.bind(second_opinion=lambda p, r: None, calibrator=Calibrator.load(tmp_path / "first.json"),
+                 second_calibrator=agree)
