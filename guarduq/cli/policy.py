@@ -92,16 +92,16 @@ def _second_stage_line(policy: Policy, loader: Callable[[Path], Any]) -> tuple[s
     assert second_path is not None
     try:
         first = loader(first_path) if first_path is not None else None
-        bound = policy.bind(second_opinion=lambda prompt, response: None, calibrator=first,
-                            second_calibrator=loader(second_path))
+        threshold = first.threshold_for(policy.alpha) if first is not None and policy.alpha is not None else None
+        t2, band = policy.second_stage(loader(second_path), first, threshold)
     except GuardUQError as exc:
         return f"second stage {policy.config.second_calibrator}: not usable", str(exc)
-    stage = f"band: threshold < risk <= band = {bound.band_upper:g}"
-    if bound.second_threshold is None:
+    stage = f"band: threshold < risk <= band = {band:g}" if band is not None else "no band (no first stage)"
+    if t2 is None:
         return (f"second stage {policy.config.second_calibrator}: {stage}; no certified so.threshold",
                 f"the second stage certifies no threshold at alpha {policy.alpha:g}: so.risk <= so.threshold never holds")
     return (f"second stage {policy.config.second_calibrator}: {stage}; so.threshold = "
-            f"{bound.second_threshold:g} (certified at alpha {policy.alpha:g} on the band's answers)", None)
+            f"{t2:g} (certified at alpha {policy.alpha:g} on the band's answers)", None)
 
 
 def _calibrator_loader() -> Callable[[Path], Any]:

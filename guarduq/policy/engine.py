@@ -313,7 +313,10 @@ class Policy:
         its ``second_calibrator``, fitted above this calibrator's threshold at ``alpha``.
         """
         threshold = self._threshold_from(calibrator)
-        second_threshold, band_upper = self._second_stage(second_calibrator, calibrator, threshold)
+        second_threshold, band_upper = self.second_stage(second_calibrator, calibrator, threshold)
+        if second_calibrator is not None and second_threshold is None:
+            log.warning("no_certified_second_threshold", policy=self.name, alpha=self.alpha,
+                        detail="the second stage certifies no threshold at alpha: so.risk <= so.threshold never holds")
         if self.uses_second_opinion and second_opinion is None:
             names = [r.name for r in self.config.rules if isinstance(r, SecondOpinionRule)]
             raise PolicyError(
@@ -336,8 +339,9 @@ class Policy:
         bound._second, bound.second_threshold, bound.band_upper = second_calibrator, second_threshold, band_upper
         return bound
 
-    def _second_stage(self, second: Any, first: Any, threshold: float | None) -> tuple[float | None, float | None]:
-        """(so.threshold, band) of a cascade's second stage, checked against the first stage."""
+    def second_stage(self, second: Any, first: Any, threshold: float | None) -> tuple[float | None, float | None]:
+        """(so.threshold, band) of a cascade's second stage, checked against the first stage and
+        its ``threshold``; ``PolicyError`` for one fitted for another first stage, alpha or band."""
         if self.config.second_calibrator is None:
             if second is not None:
                 raise PolicyError(f"policy {self.name!r} names no second_calibrator, but one was given")
@@ -367,9 +371,6 @@ class Policy:
             raise PolicyError(f"policy {self.name!r}: the second stage's band starts at first-stage risk "
                               f"{lower}, but the policy's threshold is {threshold}: refit it on this calibrator")
         t2 = second.threshold_for(self.alpha)
-        if t2 is None:
-            log.warning("no_certified_second_threshold", policy=self.name, alpha=self.alpha,
-                        detail="the second stage certifies no threshold at alpha: so.risk <= so.threshold never holds")
         return (None if t2 is None else float(t2)), float(stage["band_upper"])
 
     def _threshold_from(self, calibrator: Any) -> float | None:

@@ -50,7 +50,7 @@ def test_cascade_bench_credits_only_a_second_opinion_that_separates_the_band(tmp
     best = max(rows, key=lambda r: r["coverage_gain"])
     if informative:
         assert best["coverage_gain"] >= 0.05 and best["coverage_gain_ci"][0] > 0 and "≥ 5 points: met" in page
-        assert res["band_auroc"]["sve_mean_prob"][0] > 0.8  # inside the band the SVE separates
+        assert res["band_auroc"]["0.4"]["sve_mean_prob"][0] > 0.8  # inside the band the SVE separates
     else:
         assert best["coverage_gain_ci"][0] <= 0.01 and "≥ 5 points: met" not in page
-        assert res["band_auroc"]["sve_mean_prob"][1] < 0.5 < res["band_auroc"]["sve_mean_prob"][2]
+        assert res["band_auroc"]["0.4"]["sve_mean_prob"][1] < 0.5 < res["band_auroc"]["0.4"]["sve_mean_prob"][2]
