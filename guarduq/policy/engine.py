@@ -57,6 +57,7 @@ from guarduq.policy.schema import (
     SecondOpinionRule,
     render_template,
 )
+from guarduq.policy.second_stage import check_second_stage, second_stage_row
 from guarduq.policy.validation import _raise_issues, validate_policy_text
 
 log = get_logger("policy")
@@ -351,27 +352,7 @@ class Policy:
                 return None, None
             raise PolicyError(f"policy {self.name!r} is a cascade: load its second_calibrator "
                               f"({self.config.second_calibrator}) with its calibrator")
-        stage = getattr(second, "cascade_", None)
-        if not stage:
-            raise PolicyError(f"policy {self.name!r}: second_calibrator is not a cascade's second stage "
-                              "(fit one with guarduq calibrate --cascade-on)")
-        unknown = sorted(set(getattr(second, "features", ())) - {"first_stage_logit", "sve_mean_prob", "sve_variance", "sve_mi"})
-        if unknown:
-            raise PolicyError(f"policy {self.name!r}: the second stage reads {unknown}, which a second opinion "
-                              "asked at serving time does not give (fit it with --features cascade)")
-        first_sha = getattr(first, "sha256", None)
-        if stage.get("first_stage_sha256") and first_sha and stage["first_stage_sha256"] != first_sha:
-            raise PolicyError(f"policy {self.name!r}: the second stage was fitted on another first-stage "
-                              f"calibrator (sha256 {stage['first_stage_sha256'][:12]}, this one {first_sha[:12]})")
-        if self.alpha is None or not math.isclose(stage["alpha"], self.alpha):
-            raise PolicyError(f"policy {self.name!r} asks for alpha={self.alpha}, but its second stage was "
-                              f"fitted and certified at alpha={stage['alpha']}")
-        lower = stage.get("band_lower")
-        if (lower is None) != (threshold is None) or (lower is not None and not math.isclose(lower, threshold or 0.0)):
-            raise PolicyError(f"policy {self.name!r}: the second stage's band starts at first-stage risk "
-                              f"{lower}, but the policy's threshold is {threshold}: refit it on this calibrator")
-        t2 = second.threshold_for(self.alpha)
-        return (None if t2 is None else float(t2)), float(stage["band_upper"])
+        return check_second_stage(self.name, self.alpha, second, first, threshold)
 
     def _threshold_from(self, calibrator: Any) -> float | None:
         used = self.signals_used()
@@ -465,13 +446,10 @@ class Policy:
         """The second stage's risk from the first stage's and the second opinion's numbers."""
         if self._second is None or risk is None:
             return None
-        row = {"first_risk": risk, "sve_mean_prob": so.mean_prob, "sve_variance": so.variance,
-               "sve_mi": so.mutual_information}
-        if so.agrees is not None:
-            row["sve_agree"] = float(so.agrees)
+        row = second_stage_row(risk, so.mean_prob, so.variance, so.mutual_information, so.agrees)
         try:
             return float(self._second.risk(row))
-        except Exception as exc:  # e.g. a second stage reading sve_agree, which this opinion lacks
+        except Exception as exc:  # a failing second stage is a runtime failure: on_error decides
             raise _Failure("second_stage", exc) from exc
 
     def on_error_decision(self, stage: str, error: BaseException | str, *, response: str = "") -> Decision:
