@@ -56,11 +56,9 @@ class Band:
 
 
 def choose_band(first_risk: Sequence[float], lower: float | None, share: float = DEFAULT_SHARE) -> Band:
-    """The band from ``lower`` up to the risk below which ``share`` of all answers lie beyond it.
-
-    ``hi`` is the largest value such that at most ``share`` of the answers have
-    ``lower < r1 <= hi``, so the cost bound holds on the answers it was chosen on.
-    """
+    """The band from ``lower`` (exclusive) up to the highest first-stage risk that keeps at most
+    ``share`` of all the answers inside it, so the cost bound holds on the answers it was chosen
+    on (a tie at the upper edge is left out whole)."""
     if not 0 < share <= 1:
         raise CalibrationError(f"band share must be in (0, 1], got {share}")
     r = np.sort(np.asarray(first_risk, dtype=float))
