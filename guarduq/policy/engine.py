@@ -246,16 +246,17 @@ class Policy:
 
     @property
     def calibrator_path(self) -> Path | None:
-        if self.config.calibrator is None:
-            return None
-        path = Path(self.config.calibrator)
-        return path if path.is_absolute() else self.base_dir / path
+        return self._from_file(self.config.calibrator)
 
     @property
     def second_calibrator_path(self) -> Path | None:
-        if self.config.second_calibrator is None:
+        return self._from_file(self.config.second_calibrator)
+
+    def _from_file(self, name: str | None) -> Path | None:
+        """A path the policy names, relative to the policy file's folder."""
+        if name is None:
             return None
-        path = Path(self.config.second_calibrator)
+        path = Path(name)
         return path if path.is_absolute() else self.base_dir / path
 
     @property
