@@ -78,3 +78,17 @@ def test_cascade_sets_are_never_chosen_and_no_section_without_a_costly_set() -> 
 
     free = {"same-pass": FEATURE_SETS["same-pass"]}
     assert costly_section({}, {}, free, {}, Counter(), (0.3,), 10) == ([], {})
+
+
+def test_free_only_measures_every_answer_when_only_some_hold_costly_features(tmp_path: Path) -> None:
+    """make risk's --free-only: answers without P(True)/SVE are not dropped for lacking them."""
+    risk = _risk_module()
+    records = _records(120)
+    for r in records[::2]:  # half the answers were scored without the costly features
+        for k in ("p_true", "sve_mean_prob", "sve_variance", "sve_mi", "sve_agree"):
+            r.scores.pop(k)
+    lines, fig = risk.analyse_model("tiny", records, 50, tmp_path, costly=False)
+    assert f"{len(records)} valid for every available feature (0 dropped)" in "\n".join(lines)
+    assert fig["costly"] == {} and not any("ptrue" in s or "sve" in s for s in fig["sets"])
+    lines, _ = risk.analyse_model("tiny", records, 50, tmp_path)
+    assert f"{len(records) // 2} valid for every available feature" in "\n".join(lines)
