@@ -47,8 +47,8 @@ from guarduq.calibration.cascade import (  # noqa: E402
     fit_second_stage,
     with_first_risk,
 )
-from guarduq.calibration.datasets import split_of  # noqa: E402
 from guarduq.calibration.features import FEATURE_SETS, SVEShape, feature_matrix, forward_equivalents  # noqa: E402
+from guarduq.calibration.splits import split_of  # noqa: E402
 from guarduq.errors import CalibrationError  # noqa: E402
 
 DELTA = 0.1

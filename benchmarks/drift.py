@@ -39,9 +39,9 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pages import write_page  # noqa: E402
 
-from guarduq.calibration.datasets import hash_unit  # noqa: E402
 from guarduq.calibration.drift import DEFAULT_BINS, psi  # noqa: E402
 from guarduq.calibration.drift_groups import CaseClassifier, GroupReference, group_reference  # noqa: E402
+from guarduq.calibration.splits import hash_unit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACT = ROOT / "policies" / "calibrators" / "smollm2-135m-instruct.json"

@@ -19,7 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from guarduq.calibration.datasets import Dataset, Item, default_data_dir, hash_unit, load_dataset
+from guarduq.calibration.datasets import Dataset, Item, default_data_dir, load_dataset
+from guarduq.calibration.splits import hash_unit
 
 MODEL = "smollm2-135m-instruct"
 CAL_LIMIT = 1000  # the Makefile's CAL_LIMIT for the five files with more items than that

@@ -44,8 +44,8 @@ from guarduq.calibration.analysis import (  # noqa: E402
     restrict_profile,
     single_signals,
 )
-from guarduq.calibration.datasets import split_of  # noqa: E402
 from guarduq.calibration.features import FEATURE_SETS, feature_matrix  # noqa: E402
+from guarduq.calibration.splits import split_of  # noqa: E402
 from guarduq.scoring.uncertainty import parameter_set_id  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

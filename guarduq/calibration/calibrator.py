@@ -15,7 +15,7 @@ Raw gradient norms live on a model-specific scale, so each model gets its own ``
    sequence starts where the fit split gives the strongest evidence
    (``thresholds.start_threshold``), each at delta / 2, so a few confidently wrong answers among
    the lowest risks cannot stop everything at once.
-   Use labels the risk model was not fitted on (see ``datasets.split_of``).
+   Use labels the risk model was not fitted on (see ``splits.split_of``).
 3. ``evaluate``: AUROC per raw signal and for the risk, ECE / Brier before and after calibration,
    risk-coverage curve (AURC), prediction rejection ratio (PRR), and whether each guarantee held.
 4. ``save`` / ``load``: one JSON artifact (never pickle) bound to the model fingerprint.

@@ -27,19 +27,25 @@ import csv
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from guarduq._logging import get_logger
+from guarduq.calibration.splits import (
+    Split,
+    hash_unit,  # noqa: F401  (re-exported: imports from datasets keep working)
+    limit_subset,
+    outside_limits,  # noqa: F401  (re-exported)
+    split_of,
+)
 from guarduq.errors import DatasetError, InputError
 
 log = get_logger("datasets")
 
 Kind = Literal["qa", "mc", "labelled"]
 PromptStyle = Literal["instruct", "fewshot"]
-Split = Literal["fit", "threshold", "test"]
 PROMPT_STYLES: tuple[str, ...] = ("instruct", "fewshot")
 
 # Short-answer instruction for chat models; the few-shot block is for base models without a
@@ -97,69 +103,6 @@ class Item:
             fields.append("ended=false")
         payload = json.dumps(fields, ensure_ascii=False)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------- splits
-
-
-def hash_unit(item_id: str, salt: str = "guarduq-split-v1") -> float:
-    """A number in [0, 1) fixed by the id alone (sha256), the same on every machine."""
-    digest = hashlib.sha256(f"{salt}:{item_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def split_of(key: str, *, test_fraction: float = 0.3, threshold_fraction: float = 0.3) -> Split:
-    """Deterministic split by id hash.
-
-    The calibration split is ``fit`` (the logistic regression) plus ``threshold`` (the risk
-    thresholds): the finite-sample guarantee needs labels the risk model has not seen.
-    ``test`` is held out for the metrics.
-    """
-    if not (0 <= test_fraction < 1 and 0 <= threshold_fraction < 1 - test_fraction):
-        raise DatasetError(
-            f"bad split fractions: test={test_fraction}, threshold={threshold_fraction}"
-        )
-    u = hash_unit(key)
-    if u >= 1 - test_fraction:
-        return "test"
-    if u >= 1 - test_fraction - threshold_fraction:
-        return "threshold"
-    return "fit"
-
-
-def limit_subset(items: Sequence[Item], limit: int | None) -> list[Item]:
-    """What ``--limit`` keeps: the ``limit`` items with the smallest id hash, in file order.
-
-    A stable pseudo-random subset, so a larger limit extends a smaller one and the cache is reused.
-    """
-    if limit is None or limit >= len(items):
-        return list(items)
-    keep = set(sorted((it.id for it in items), key=lambda i: hash_unit(i, "limit"))[:limit])
-    return [it for it in items if it.id in keep]
-
-
-def outside_limits(groups: Mapping[str, Sequence[Item]], limits: Mapping[str, int]) -> dict[str, list[Item]]:
-    """Each dataset's items that ``guarduq calibrate --limit`` would not score, for training a
-    second opinion that never sees what its calibrator is fitted, certified or tested on.
-
-    ``limits`` maps a dataset name to its limit (``""``: every other dataset; a dataset with
-    neither is scored whole, so nothing of it is left). An item is also left out when its question
-    is asked by a scored item of *any* of the datasets: TruthfulQA's gen and mc modes share
-    questions under different ids.
-    """
-    scored_questions: set[str] = set()
-    left: dict[str, list[Item]] = {}
-    for name, items in groups.items():
-        limit = limits.get(name, limits.get(""))
-        scored = limit_subset(items, limit)
-        ids = {it.id for it in scored}
-        scored_questions |= {_question_key(it) for it in scored}
-        left[name] = [it for it in items if it.id not in ids]
-    return {name: [it for it in items if _question_key(it) not in scored_questions] for name, items in left.items()}
-
-
-def _question_key(item: Item) -> str:
-    return " ".join(item.question.split()).casefold()
 
 
 # --------------------------------------------------------------------------- loaders

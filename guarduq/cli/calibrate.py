@@ -4,18 +4,18 @@
 fit / threshold / test, fits the risk model, picks guaranteed thresholds and saves the artifact.
 ``evaluate`` scores new data with a saved calibrator and says whether each guarantee held.
 ``report`` redraws the HTML + PNG report from an artifact.
+``calibrate --cascade-on`` lives in :mod:`guarduq.cli._cascade`; the steps the commands share
+(data, SVE plan, scoring, splits) in :mod:`guarduq.cli._scoring`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +27,24 @@ from guarduq.calibration import (
     Evaluation,
 )
 from guarduq.calibration.analysis import FEATURE_RULES, available, select_features
-from guarduq.calibration.cascade import (
-    DEFAULT_SHARE,
-    band_of,
-    cascade_accepts,
-    fit_second_stage,
-    with_first_risk,
-)
-from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Dataset, load_dataset
-from guarduq.calibration.features import SVE, SVEShape, forward_equivalents
+from guarduq.calibration.cascade import DEFAULT_SHARE
+from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES
+from guarduq.calibration.features import SVE, forward_equivalents
+from guarduq.cli._cascade import _cmd_cascade
 from guarduq.cli._help import with_example
-from guarduq.cli._run import dataset_limits, open_scorer, run_args
+from guarduq.cli._run import run_args
+from guarduq.cli._scoring import (
+    _check_outputs,
+    _json_default,
+    _score_all,
+    _splitter,
+    _sve_plan,
+    _sve_shape,
+    _xy,
+)
 from guarduq.cli.reviews import (
     REVIEWS,
     check_review_size,
-    review_data_file,
     review_parts,
     uniform_only,
     uniform_reference,
@@ -152,170 +155,7 @@ def _sve_args(p: argparse.ArgumentParser) -> None:
                    "(default 32; 0: no greedy answer, so no sve_agree)")
 
 
-# --------------------------------------------------------------------------- shared steps
-
-
-@dataclass(frozen=True)
-class _SVEPlan:
-    """The SVE opinion a feature set needs: which members, and the greedy answer's budget."""
-
-    path: Path
-    sha256: str
-    answer_tokens: int  # 0 when no feature reads the greedy answer: it is not computed
-
-    def describe(self) -> dict[str, Any]:
-        return {"file": str(self.path), "sha256": self.sha256, "answer_tokens": self.answer_tokens}
-
-
-def _sve_plan(args: argparse.Namespace, features: Sequence[str]) -> _SVEPlan | None:
-    """Check the SVE flags against the features before anything slow; None when none is needed."""
-    if args.sve_answer_tokens < 0:
-        raise InputError(f"--sve-answer-tokens must be >= 0, got {args.sve_answer_tokens}")
-    wanted = [f for f in features if f in SVE]
-    if not wanted:
-        if args.sve is not None:
-            print("warning: --sve is unused: the features read no SVE opinion", file=sys.stderr)
-        return None
-    if args.sve is None:
-        raise InputError(f"features {', '.join(wanted)} need an SVE second opinion: give --sve FILE "
-                         "(members trained for this model by `guarduq sve train`)")
-    if "sve_agree" in wanted and args.sve_answer_tokens == 0:
-        raise InputError("feature sve_agree needs the SVE members' greedy answer: "
-                         "--sve-answer-tokens must be > 0")
-    if getattr(args, "ray", None) is not None:
-        raise InputError("--sve runs the ensemble in this process, beside the model: not with --ray")
-    try:
-        digest = hashlib.sha256(args.sve.read_bytes()).hexdigest()
-    except OSError as exc:
-        raise InputError(f"--sve {args.sve}: cannot read it ({exc.strerror or exc})") from exc
-    tokens = args.sve_answer_tokens if "sve_agree" in wanted else 0
-    return _SVEPlan(args.sve, digest, tokens)
-
-
-def _load_sve(plan: _SVEPlan, guard: Any) -> Any:
-    """The ensemble over the guard's own model; another model's members raise
-    ``FingerprintMismatchError``."""
-    from guarduq.models import LoadedModel
-    from guarduq.sve import SVEnsemble
-
-    return SVEnsemble.load(plan.path, LoadedModel(guard.model, guard.tokenizer, guard.info))
-
-
-def _sve_shape(records: Sequence[Any]) -> SVEShape | None:
-    """The SVE shape the records' features were computed with (the first that says)."""
-    for r in records:
-        shape = SVEShape.of(r.scores or {})
-        if shape is not None:
-            return shape
-    return None
-
-
-def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
-    if REVIEWS in args.dataset:
-        if len(args.dataset) > 1 or (args.data and args.store) or len(args.data) > 1:
-            raise InputError("--dataset reviews stands alone (--store URL, or --data one exported file; no "
-                             "other --dataset): its weights and certificate describe your traffic, not a mix")
-        paths = args.data if args.data else [review_data_file(args)]
-    else:
-        if args.store or args.since:
-            raise InputError("--store and --since go with --dataset reviews")
-        paths = args.data
-    if len(args.dataset) != len(paths):
-        raise InputError(
-            f"--dataset and --data come in pairs: got {len(args.dataset)} --dataset and "
-            f"{len(paths)} --data"
-        )
-    limits = dataset_limits(args.limit or (), args.dataset)
-    return [
-        load_dataset(name, path, prompt_style=style, skip_malformed=args.skip_malformed,
-                     limit=limits.get(name, limits.get("")))
-        for name, path in zip(args.dataset, paths, strict=True)
-    ]
-
-
-def _score_all(
-    args: argparse.Namespace,
-    model_spec: str,
-    check: Callable[[Any], None] | None = None,
-    p_true: bool = False,
-    sve: _SVEPlan | None = None,
-) -> tuple[Any, list[Dataset], list[Any]]:
-    """Load data (fails fast on bad files), then the model (``check`` it), then score (cached).
-
-    ``p_true``: also compute the opt-in P(True) feature (one extra forward per answer, cached).
-    ``sve``: also compute the opt-in SVE features (one folded forward of the members per answer,
-    plus their greedy answer when asked; cached); the members are loaded before any scoring.
-    """
-    from guarduq.calibration.evaluation import (
-        add_p_true,
-        add_sve_opinion,
-        check_guard_errors,
-        score_dataset,
-    )
-
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    style = "instruct" if args.prompt_style == "auto" else args.prompt_style
-    datasets = _load_datasets(args, style)
-    guard, chat_template = open_scorer(args, model_spec)
-    try:
-        if check is not None:
-            check(guard)
-        ensemble = _load_sve(sve, guard) if sve is not None else None
-        if args.prompt_style == "auto" and not chat_template:
-            datasets = _load_datasets(args, "fewshot")
-        records = []
-        for ds in datasets:
-            cache = args.cache or _default_cache(args.runs_dir, guard.info.name, ds)
-            recs = score_dataset(
-                guard,
-                ds.items,
-                cache,
-                batch_size=args.batch_size,
-                progress=not args.no_progress,
-                max_new_tokens=args.max_new_tokens,
-                desc=ds.name,
-            )
-            check_guard_errors(recs)
-            if p_true:
-                recs = add_p_true(guard, ds.items, recs, cache, progress=not args.no_progress,
-                                  desc=f"{ds.name} P(True)")
-            if ensemble is not None and sve is not None:
-                recs = add_sve_opinion(ensemble, ds.items, recs, cache, max_new_tokens=sve.answer_tokens,
-                                       ensemble_id=sve.sha256[:16], progress=not args.no_progress,
-                                       desc=f"{ds.name} SVE")
-            records.extend(recs)
-    finally:
-        if hasattr(guard, "close"):  # Ray actors
-            guard.close()
-    return guard, datasets, records
-
-
-def _check_outputs(args: argparse.Namespace, *outputs: Path | None) -> None:
-    """Unwritable outputs or cache (read-only folder, full disk) fail before the model loads."""
-    from guarduq._storage import check_writable
-
-    for out in outputs:
-        if out is not None:
-            check_writable(out, "output file")
-    check_writable(args.cache or args.runs_dir / "cache" / ".write-check", "scoring cache")
-
-
-def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
-    return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
-
-
-def _splitter(datasets: Sequence[Dataset], fractions: dict[str, float]) -> Callable[[Any], str]:
-    """record -> its split, keyed by the item's group (TruthfulQA gen/mc share a question)."""
-    from guarduq.calibration.datasets import split_of
-
-    groups = {it.id: (it.group or it.id) for d in datasets for it in d.items}
-    return lambda record: split_of(groups.get(record.id, record.id), **fractions)
-
-
-def _xy(records: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int], list[str]]:
-    return [r.scores for r in records], [int(r.label) for r in records], [r.dataset for r in records]
+# --------------------------------------------------------------------------- output
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any], evaluation: Evaluation, header: str) -> None:
@@ -358,12 +198,6 @@ def _text_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(short, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 # --------------------------------------------------------------------------- commands
@@ -466,75 +300,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         + _coef_text(cal)
     )
     _emit(args, payload, evaluation, header)
-    return 0
-
-
-def _cmd_cascade(args: argparse.Namespace, C: float | str, alphas: Sequence[float]) -> int:
-    """``calibrate --cascade-on FIRST``: score (with the SVE features), fit the second stage on
-    the fit split's band answers, certify it on the threshold split's, report on the test split."""
-    import numpy as np
-
-    if len(alphas) != 1 or not 0 < alphas[0] < 1:
-        raise InputError(f"--cascade-on fits the band above one threshold: give one --alpha in (0, 1), got {list(alphas)}")
-    if not 0 < args.band_share <= 1:
-        raise InputError(f"--band-share must be in (0, 1], got {args.band_share}")
-    if args.within_datasets or args.features in FEATURE_RULES or REVIEWS in args.dataset:
-        raise InputError("--cascade-on fits a pooled second stage: drop --within-datasets, feature rules and reviews")
-    alpha = alphas[0]
-    first = Calibrator.load(args.cascade_on)
-    features = args.features if args.features != DEFAULT_FEATURE_SET else "cascade"
-    probe = Calibrator(features, C=C)
-    if "first_stage_logit" not in probe.features:
-        raise InputError(f"--cascade-on needs a feature set with first_stage_logit (cascade, cascade+agree), got {features!r}")
-    if first.threshold_for(alpha) is None and not any(np.isclose(t.alpha, alpha) for t in first.thresholds_):
-        raise InputError(f"{args.cascade_on} has no threshold for alpha={alpha}: refit it with --alpha {alpha}")
-    if not 0 < args.delta < 1:
-        raise InputError(f"--delta must be in (0, 1), got {args.delta}")
-    sve = _sve_plan(args, probe.features)
-    _check_outputs(args, args.out)
-    guard, datasets, records = _score_all(args, args.model, check=lambda g: first.check_model(g.info.fingerprint),
-                                          p_true="p_true" in first.features, sve=sve)
-    fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
-    split = _splitter(datasets, fractions)
-    parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    for r in records:
-        if r.usable:
-            parts[split(r)].append(r)
-    second = fit_second_stage(first, *_xy(parts["fit"])[:2], *_xy(parts["threshold"])[:2], alpha=alpha,
-                              delta=args.delta, share=args.band_share, features=features, C=C)
-    second.split_ = fractions
-    second.datasets_ = [ds.describe() for ds in datasets]
-    band = band_of(second)
-    test_scores, test_labels, _ = _xy(parts["test"])
-    r1 = first.predict_risk(test_scores)
-    r2 = second.predict_risk(with_first_risk(test_scores, r1))
-    y = np.asarray(test_labels)
-    t1, t2 = first.threshold_for(alpha), second.threshold_for(alpha)
-    stages = {"first stage": cascade_accepts(r1, r2, t1, band, None), "cascade": cascade_accepts(r1, r2, t1, band, t2)}
-    test = {name: {"coverage": float(acc.mean()), "accepted": int(acc.sum()),
-                   "error_rate": float((y[acc] == 0).mean()) if acc.any() else None}
-            for name, acc in stages.items()}
-    test["paid_second_opinion"] = float(band.contains(r1).mean())
-    sha = second.save(args.out)
-    payload = {
-        "calibrator": str(args.out), "sha256": sha, "first_stage": str(args.cascade_on),
-        "first_stage_sha256": first.sha256, "alpha": alpha, "delta_second_stage": args.delta,
-        "first_threshold": t1, "band": {"lower": band.lower, "upper": band.upper, "share": band.share},
-        "second_threshold": t2, "thresholds": [t.__dict__ for t in second.thresholds_],
-        "coefficients": second.coefficients(), "split_sizes": {k: len(v) for k, v in parts.items()},
-        "test": test, "n_test": len(test_labels),
-    }
-    if args.json:
-        json.dump(payload, sys.stdout, indent=1, default=_json_default)
-        sys.stdout.write("\n")
-        return 0
-    print(f"second stage written to {args.out} (sha256 {sha[:12]}): band {band.lower} < first-stage risk "
-          f"<= {band.upper:.4f} ({band.share:.0%} of the fit split), second threshold at alpha={alpha:g}: {t2}")
-    for name in ("first stage", "cascade"):
-        t = test[name]
-        err = "n/a" if t["error_rate"] is None else f"{t['error_rate']:.3f}"
-        print(f"  test ({len(test_labels)}): {name:12s} coverage {t['coverage']:.3f}, error rate {err}")
-    print(f"  test: {test['paid_second_opinion']:.0%} of answers paid for the second opinion")
     return 0
 
 

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from guarduq._logging import get_logger
-from guarduq.calibration.datasets import Dataset, split_of
+from guarduq.calibration.datasets import Dataset
 from guarduq.calibration.sizing import MIN_PER_CLASS, labels_needed
+from guarduq.calibration.splits import split_of
 from guarduq.errors import CalibrationError, InputError
 
 log = get_logger("cli")

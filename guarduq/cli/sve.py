@@ -21,14 +21,8 @@ from typing import Any
 
 from guarduq._logging import get_logger
 from guarduq._storage import check_writable
-from guarduq.calibration.datasets import (
-    DATASETS,
-    PROMPT_STYLES,
-    Item,
-    limit_subset,
-    load_dataset,
-    outside_limits,
-)
+from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Item, load_dataset
+from guarduq.calibration.splits import limit_subset, outside_limits
 from guarduq.cli._help import with_example
 from guarduq.cli._run import dataset_limits
 from guarduq.errors import DatasetError, InputError

@@ -13,9 +13,7 @@ from guarduq.calibration.datasets import (
     DATASETS,
     FEWSHOT_STOP,
     TRUTHFULQA_NO_COMMENT,
-    hash_unit,
     load_dataset,
-    split_of,
 )
 from guarduq.calibration.labels import (
     alias_match,
@@ -24,6 +22,7 @@ from guarduq.calibration.labels import (
     normalize_answer,
     truthfulqa_label,
 )
+from guarduq.calibration.splits import hash_unit, split_of
 from guarduq.errors import DatasetError, GuardUQError
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("sqlalchemy")
 
-from guarduq.calibration.datasets import split_of  # noqa: E402
+from guarduq.calibration.splits import split_of  # noqa: E402
 from guarduq.cli import main  # noqa: E402
 from guarduq.store import Store  # noqa: E402
 from guarduq.store.records import Sample  # noqa: E402

@@ -63,8 +63,8 @@ def _arc_rows(n: int) -> list[dict]:
 def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_model_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from guarduq.calibration.analysis import available, select_features
-    from guarduq.calibration.datasets import split_of
     from guarduq.calibration.features import FEATURE_SETS
+    from guarduq.calibration.splits import split_of
 
     arc = tmp_path / "arc.jsonl"
     arc.write_text("".join(json.dumps(r) + "\n" for r in _arc_rows(60)))

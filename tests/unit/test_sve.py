@@ -525,7 +525,8 @@ def test_cli_train_on_several_datasets_leaves_out_what_calibrate_scores(model_di
 
 
 def test_outside_limits_is_the_complement_of_the_limit_subset() -> None:
-    from guarduq.calibration.datasets import Item, limit_subset, outside_limits
+    from guarduq.calibration.datasets import Item
+    from guarduq.calibration.splits import limit_subset, outside_limits
 
     items = [Item(id=f"d:{i}", dataset="d", kind="qa", prompt=f"q{i}", question=f"q{i}", grader="aliases", answers=("a",))
              for i in range(50)]

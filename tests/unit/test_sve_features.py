@@ -197,7 +197,7 @@ def _ns(**kw: Any) -> argparse.Namespace:
 def test_cli_refuses_sve_features_without_sve_before_any_model_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from guarduq.cli.calibrate import _sve_plan
+    from guarduq.cli._scoring import _sve_plan
 
     with pytest.raises(InputError, match="give --sve FILE"):
         _sve_plan(_ns(), FEATURE_SETS["same-pass+sve"])
