@@ -260,17 +260,17 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
             f"{settings_key}-{family}-m1-lr{lr:g}",
             lambda m=method: predict_only(m, top, enc, eval_splits, args.bf16) if m.fitted_ is not None
             else train_and_predict(m, top, enc, args, eval_splits))
-    sigma_best = None
-    for sigma in floats(args.sigma_grid):
+    sigma_nll: dict[float, float] = {}
+    sigmas = floats(args.sigma_grid)
+    for sigma in sigmas if len(sigmas) > 1 else ():  # one value: nothing to select, no M=4 fit
         method = SVEMethod(4, chosen["sve"], sigma_init=sigma)
         arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}",
                                   lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
         probs = np.exp(arrays["dev"]).mean(0)
-        dev_nll = float(-np.log(np.clip(probs[np.arange(len(labels["dev"])), labels["dev"]], 1e-12, 1)).mean())
-        selection.append({"family": "sve-sigma", "sigma_init": sigma, "members": 4, "dev_nll": dev_nll})
-        if sigma_best is None or dev_nll < sigma_best[0]:
-            sigma_best = (dev_nll, sigma)
-    sigma = sigma_best[1]
+        sigma_nll[sigma] = float(-np.log(np.clip(probs[np.arange(len(labels["dev"])), labels["dev"]],
+                                                 1e-12, 1)).mean())
+        selection.append({"family": "sve-sigma", "sigma_init": sigma, "members": 4, "dev_nll": sigma_nll[sigma]})
+    sigma = min(sigma_nll, key=sigma_nll.__getitem__) if sigma_nll else sigmas[0]
 
     # ---- final ensembles
     finals = {
@@ -452,6 +452,9 @@ def render(results: dict[str, Any], out: Path) -> None:
         parts.append(f"\nAveraging SVE's members in log space instead (renormalised geometric mean): "
                      f"ECE {fmt(logit['ece'])}, NLL {fmt(logit['nll'])}, accuracy {fmt(logit['accuracy'])} "
                      f"(probability space: ECE {fmt(sve_row['ece'])}, NLL {fmt(sve_row['nll'])}).")
+        families = [s["family"] for s in f["selection"]]
+        if len(families) == len(set(families)):  # grids of one value each: nothing was chosen here
+            parts.append("\nNo selection on this cell: every grid held one value (dev NLL shown).")
         parts.append("\nSelection on dev (NLL):\n")
         parts.append("| family | setting | dev NLL |\n|---|---|---:|")
         for s in f["selection"]:
