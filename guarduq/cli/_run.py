@@ -1,9 +1,12 @@
-"""Flags and set-up shared by the commands that run a model: batch size, device, dtype, Ray."""
+"""Flags and set-up shared by the commands that run a model: batch size, device, dtype, Ray, and
+the SVE members that answer a policy's second_opinion rules."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from guarduq.errors import InputError
@@ -40,6 +43,51 @@ def parameter_kwargs(name: str | None) -> dict[str, Any]:
     if patterns is None and last_n is None:
         return {"parameters": ALL_PARAMETERS}
     return {"parameters": patterns, "last_n_blocks": last_n}
+
+
+def sve_arg(p: argparse.ArgumentParser) -> None:
+    """--sve FILE: the second-opinion provider of a command that builds a Guard with a policy."""
+    p.add_argument("--sve", type=Path, metavar="FILE",
+                   help="SVE members (.safetensors, `guarduq sve train`) that answer the policy's "
+                        "second_opinion rules; bound to the model's fingerprint")
+
+
+def check_sve_file(path: Path, flag: str = "--sve") -> None:
+    """``InputError`` when ``path`` cannot be opened for reading (checked before the model loads)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        reason = getattr(exc, "strerror", None) or exc
+        raise InputError(f"{flag} {path}: cannot read it ({reason}); give the .safetensors file "
+                         "`guarduq sve train` wrote for this model") from exc
+
+
+def open_guard(model_spec: Any, *, sve: Path | None = None, device: str | None = None,
+               dtype: str | None = None, **guard_kwargs: Any) -> Any:
+    """A Guard on ``model_spec`` (``guard_kwargs``: policy, calibrator, ...); with ``sve``, the SVE
+    members in that file over the same loaded model as its second-opinion provider.
+
+    An unreadable ``sve`` raises ``InputError`` before the model loads; members trained on another
+    model raise ``FingerprintMismatchError``. When no rule of the policy asks for a second opinion,
+    one line on stderr says ``--sve`` is unused (the members stay bound, so a reloaded policy that
+    has such a rule can use them).
+    """
+    from guarduq.guard import Guard  # heavy import (torch) only when needed
+
+    if sve is None:
+        return Guard(model_spec, device=device, dtype=dtype, **guard_kwargs)
+    check_sve_file(sve)
+    from guarduq.models import load_model
+    from guarduq.sve import SVEnsemble
+
+    loaded = load_model(model_spec, device=device, dtype=dtype)  # as Guard loads a spec
+    guard = Guard(loaded, second_opinion=SVEnsemble.load(sve, loaded), **guard_kwargs)
+    policy = guard.policy
+    if policy is None or not policy.uses_second_opinion:
+        why = "no --policy given" if policy is None else f"policy {policy.name!r} has no second_opinion rule"
+        print(f"warning: --sve is unused: {why}", file=sys.stderr)
+    return guard
 
 
 def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:

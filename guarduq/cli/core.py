@@ -13,7 +13,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tqdm.auto import tqdm
 
 from guarduq.cli._help import with_example
-from guarduq.cli._run import open_scorer, parameter_kwargs, parameter_set_arg, run_args
+from guarduq.cli._run import (
+    open_guard,
+    open_scorer,
+    parameter_kwargs,
+    parameter_set_arg,
+    run_args,
+    sve_arg,
+)
 from guarduq.errors import DatasetError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -80,6 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--model", default=DEFAULT_MODEL)
     d.add_argument("--max-new-tokens", type=int, default=40)
     d.add_argument("--policy", type=Path, help="apply a YAML policy (e.g. policies/default.yaml)")
+    sve_arg(d)
     d.set_defaults(func=_cmd_demo)
 
 
@@ -180,7 +188,7 @@ def _print_human(row: dict[str, Any]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    guard = _guard(args.model, **({"policy": args.policy} if args.policy else {}))
+    guard = open_guard(args.model, sve=args.sve, policy=args.policy)
     if guard.policy is not None:
         print(f"policy {guard.policy.name} v{guard.policy.version} ({args.policy})")
     print(f"model {guard.info.name}  fingerprint {guard.info.fingerprint}  "

@@ -11,7 +11,13 @@ from typing import Any
 
 from guarduq._http import is_loopback
 from guarduq.cli._help import with_example
-from guarduq.cli._run import parameter_kwargs, parameter_set_arg
+from guarduq.cli._run import (
+    check_sve_file,
+    open_guard,
+    parameter_kwargs,
+    parameter_set_arg,
+    sve_arg,
+)
 from guarduq.errors import GuardUQError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -24,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parameter_set_arg(p)
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
+    sve_arg(p)
     p.add_argument("--audit", type=Path, help="append one JSON line per request to this file")
     p.add_argument("--store", metavar="URL",
                    help="keep every decided reply, and the policy's review sample, in this database "
@@ -110,6 +117,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not args.watch_interval > 0:
         raise InputError(f"--watch-interval must be > 0 seconds, got {args.watch_interval}")
     check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
+    if args.sve is not None:
+        check_sve_file(args.sve)  # before the store is opened or the model loads
     try:
         import uvicorn
 
@@ -117,7 +126,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise GuardUQError(f"the server needs the serve extra: pip install 'guarduq[serve]' ({exc})") from exc
     from guarduq.calibration.drift import load_reference
-    from guarduq.guard import Guard
 
     if args.review and not args.store:
         raise InputError("--review serves the page over a store: give --store URL too")
@@ -126,8 +134,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from guarduq.store import Store
 
         store = Store(args.store)  # a bad URL or an unreachable database fails before the model loads
-    guard = Guard(args.model, policy=args.policy, calibrator=args.calibrator, audit=args.audit,
-                  store=store, **parameter_kwargs(args.parameter_set))
+    guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
+                       audit=args.audit, store=store, **parameter_kwargs(args.parameter_set))
     features = guard.calibrator.features if guard.calibrator is not None else ()
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),

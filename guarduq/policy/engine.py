@@ -323,7 +323,8 @@ class Policy:
             names = [r.name for r in self.config.rules if isinstance(r, SecondOpinionRule)]
             raise PolicyError(
                 f"policy {self.name!r} asks for a second opinion (rule {', '.join(names)}) but no "
-                f"second-opinion provider is configured: pass second_opinion=<an SVEnsemble>"
+                f"second-opinion provider is configured: pass second_opinion=<an SVEnsemble> "
+                "(on the command line: --sve FILE)"
             )
         overrides = dict(sinks or {})
         unknown = sorted(set(overrides) - set(self.config.sinks))
