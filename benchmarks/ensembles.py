@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lora", default="3e-4,1e-3,3e-3")
     p.add_argument("--lr-deep", default="1e-5,3e-5,1e-4")
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
+    p.add_argument("--sve-lr-also", default="",
+                   help="more SVE learning rates to fit and report beside the chosen one (sensitivity rows)")
     p.add_argument("--train-n", type=int, default=None, help="cap on train items (default: all)")
     p.add_argument("--test-n", type=int, default=None, help="cap on test items (default: all)")
     p.add_argument("--ood-n", type=int, default=600, help="out-of-distribution items (a seeded sample)")
@@ -284,6 +286,12 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
                            lambda: train_and_predict(FAMILIES["deep"](args.members, chosen["deep"]),
                                                      top, enc, args, eval_splits)),
     }
+    for lr in floats(args.sve_lr_also):  # sensitivity: the final SVE at another rate, reported beside it
+        if lr != chosen["sve"]:
+            finals[f"sve-lr{lr:g}"] = stages.run(
+                f"{settings_key}-sve-m{args.sve_members}-lr{lr:g}-s{sigma:g}",
+                lambda lr=lr: train_and_predict(SVEMethod(args.sve_members, lr, sigma_init=sigma),
+                                                top, enc, args, eval_splits))
     base_params = sum(p.numel() for p in model.parameters())
     return report_cell(cell, task, enc, labels, singles, finals, args, {
         "k": k, "blocks": n_blocks, "base_params": base_params, "chosen_lr": chosen, "sigma_init": sigma,
@@ -315,6 +323,9 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
             methods.append((f"SVE M={m}", _subset(sve_arrays, m), info))
     methods.append((f"LoRA-Ensemble M={args.members}", *finals["lora"]))
     methods.append((f"deep ensemble M={args.members}", *finals["deep"]))
+    for key, (arrays, info) in finals.items():
+        if key.startswith("sve-lr"):
+            methods.append((f"SVE M={args.sve_members}, lr {key.removeprefix('sve-lr')}", arrays, info))
 
     rows, probs_test = [], {}
     for name, arrays, info in methods:
@@ -354,6 +365,10 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
         for metric in ("ece", "accuracy", "nll"):
             paired[f"{sve_name} - {other}: {metric}"] = paired_diff(
                 probs_test[sve_name], probs_test[other], labels["test"], metric)
+    for other in (n for n, _, _ in methods if n.startswith(f"{sve_name}, lr ")):  # sensitivity rows
+        for metric in ("ece", "accuracy", "nll"):
+            paired[f"{other} - {sve_name}: {metric}"] = paired_diff(
+                probs_test[other], probs_test[sve_name], labels["test"], metric)
     return {"cell": cell, "task": task.name, "ood": task.ood_name, "facts": facts, "methods": rows,
             "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()}}
 
@@ -370,7 +385,7 @@ def fmt(v: list[float] | None, digits: int = 3) -> str:
 def goals(res: dict[str, Any]) -> list[str]:
     """The issue's goals for one cell, each with the measured figures (largest SVE ensemble)."""
     rows = {r["name"]: r for r in res["methods"]}
-    sve = next(r for r in reversed(res["methods"]) if r["name"].startswith("SVE M=") and "+" not in r["name"])
+    sve = rows[f"SVE M={res['args'].get('sve_members', '16')}"]
     lora = next(r for r in res["methods"] if r["name"].startswith("LoRA-Ensemble") and "+" not in r["name"])
     deep = next(r for r in res["methods"] if r["name"].startswith("deep ensemble") and "+" not in r["name"])
     base, f = rows["base"], res["facts"]
