@@ -500,8 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = ["tiny:synthetic"] if args.quick else [c.strip() for c in args.cells.split(",") if c.strip()]
         torch.manual_seed(0)
         for cell in cells:
-            results[cell] = run_cell(cell, args)
-            tmp = path.with_suffix(".tmp")
+            res = run_cell(cell, args)
+            # re-read: another run may have finished another cell meanwhile; replace this cell only
+            results = {**(json.loads(path.read_text()) if path.is_file() else {}), cell: res}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(results))
             os.replace(tmp, path)
     render(results, args.out)
