@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="items per member per step")
     p.add_argument("--sve-members", type=int, default=16)
     p.add_argument("--members", type=int, default=4, help="LoRA-Ensemble and deep ensemble size")
-    p.add_argument("--lr-sve", default="1e-3,3e-3,1e-2")
-    p.add_argument("--lr-lora", default="3e-4,1e-3,3e-3")
+    p.add_argument("--lr-sve", default="1e-3,3e-3,1e-2,3e-2,1e-1")
+    p.add_argument("--lr-lora", default="1e-4,3e-4,1e-3,3e-3")
     p.add_argument("--lr-deep", default="1e-5,3e-5,1e-4")
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
     p.add_argument("--sve-lr-also", default="",
