@@ -91,12 +91,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_demo)
 
 
-def _guard(spec: str, **kwargs: Any) -> Any:
-    from guarduq.guard import Guard  # heavy import (torch, transformers) only when needed
-
-    return Guard(spec, **kwargs)
-
-
 def _row(guard: Any, scores: Any, **extra: Any) -> dict[str, Any]:
     return {**extra, **scores.to_dict(with_token_probs=False), "model_fingerprint": guard.info.fingerprint}
 
@@ -170,7 +164,7 @@ def _parse_requests(lines: Iterable[str], where_from: str) -> list[ScoreRequest]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    guard = _guard(args.model, device=args.device, dtype=args.dtype, **parameter_kwargs(args.parameter_set))
+    guard = open_guard(args.model, device=args.device, dtype=args.dtype, **parameter_kwargs(args.parameter_set))
     r = guard.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     row = _row(guard, r.scores, text=r.text, ended=r.ended)
     if args.json:
