@@ -203,6 +203,11 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def subset(self, idx: Sequence[int]) -> Encoded:
+        """The items ``idx`` only (their cached states kept, nothing recomputed)."""
+        return Encoded([self.rows[i] for i in idx], self.labels[list(idx)], self.n_options[list(idx)], self.width,
+                       [self.states[i] for i in idx], self.base_logits[list(idx)])
+
 
 class Top:
     """The frozen model from block k up, run from cached states; member blocks swap in.

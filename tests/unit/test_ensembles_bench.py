@@ -145,6 +145,26 @@ def test_sve_members_never_share_a_gradient() -> None:
     assert any(not torch.allclose(p[0], p[1]) for p in joint.parameters())  # member 1: its own order
 
 
+@pytest.mark.parametrize("family", ["lora", "deep"])
+def test_copies_member_zero_is_the_one_member_model(family: str) -> None:
+    """What lets a one-rate run report LoRA/deep M=1 as member 0 of the ensemble (``first_member``)."""
+    import ensembles
+
+    model = tiny_llama(seed=0, layers=4).requires_grad_(False)
+    top = Top(model, make_tokenizer(), 2)
+    enc = encode_split(top, examples(8), WIDTH)
+    alone, joint = FAMILIES[family](1, 1e-3), FAMILIES[family](2, 1e-3)
+    for m in (alone, joint):
+        m.build(top)
+        m.fit(top, enc, steps=3, batch=3, max_grad_norm=0.05, progress=False)
+    pa, pj = alone.predict(top, enc), joint.predict(top, enc)
+    np.testing.assert_allclose(pj[0], pa[0], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(pj[0], pj[1])  # member 1 is another model
+    arrays, info = ensembles.first_member({"test": pj}, {"stored": 10, "fit": {"seconds": 4.0},
+                                                         "seconds_per_item": {"test": 2.0}})
+    assert arrays["test"].shape[0] == 1 and info["stored"] == 5 and info["fit"]["seconds"] == 2.0
+
+
 def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     import ensembles
 
