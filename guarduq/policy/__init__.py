@@ -2,19 +2,13 @@
 
 ``schema`` holds the signals and the pydantic models of the file, ``validation`` reports every
 problem with its file:line:field, ``conditions`` evaluates conditions in three-valued logic,
-``engine`` holds the :class:`Policy`, the ``Decision`` it returns and the second-opinion
-interface. ``escalation`` delivers escalated answers to sinks; ``audit`` writes the log.
+``engine`` holds the :class:`Policy` and the ``Decision`` it returns, ``second_opinion`` the
+interface a second opinion offers. ``escalation`` delivers escalated answers to sinks; ``audit`` writes the log.
 """
 
 from guarduq.policy.audit import AuditLog, make_record
 from guarduq.policy.conditions import Check
-from guarduq.policy.engine import (
-    Decision,
-    EscalationInfo,
-    Policy,
-    SecondOpinion,
-    SecondOpinionProvider,
-)
+from guarduq.policy.engine import Decision, EscalationInfo, Policy
 from guarduq.policy.escalation import (
     CallableSink,
     CallableSinkConfig,
@@ -41,6 +35,7 @@ from guarduq.policy.schema import (
     make_signals,
     render_template,
 )
+from guarduq.policy.second_opinion import SecondOpinion, SecondOpinionProvider
 from guarduq.policy.validation import PolicyIssue, validate_policy_text
 
 __all__ = [

@@ -29,7 +29,6 @@ This module knows nothing of torch; it receives plain numbers.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -37,7 +36,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import yaml
 
@@ -57,60 +56,17 @@ from guarduq.policy.schema import (
     SecondOpinionRule,
     render_template,
 )
+from guarduq.policy.second_opinion import (
+    SecondOpinion,
+    SecondOpinionProvider,
+    as_provider,
+    ask,
+    summary,
+)
 from guarduq.policy.second_stage import check_second_stage, second_stage_row
 from guarduq.policy.validation import _raise_issues, validate_policy_text
 
 log = get_logger("policy")
-
-# ---------------------------------------------------------------- second opinion interface
-
-
-@dataclass(frozen=True)
-class SecondOpinion:
-    """What a second opinion (e.g. the SVE ensemble) says about one response."""
-
-    mean_prob: float
-    variance: float
-    mutual_information: float
-    agrees: bool | None = None
-    member_mean_probs: tuple[float, ...] = ()
-
-    @classmethod
-    def coerce(cls, obj: Any) -> SecondOpinion:
-        """Read the attributes off any provider's result; reject non-finite or missing ones."""
-        try:
-            numbers = {k: float(getattr(obj, k)) for k in ("mean_prob", "variance", "mutual_information")}
-            agrees = getattr(obj, "agrees", None)
-            members = tuple(float(p) for p in getattr(obj, "member_mean_probs", ()) or ())
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise PolicyError(f"second opinion result is malformed: {exc}") from exc
-        bad = [k for k, v in numbers.items() if not math.isfinite(v)]
-        if bad:
-            raise PolicyError(f"second opinion returned non-finite {', '.join(bad)}")
-        if agrees is not None and not isinstance(agrees, bool):
-            raise PolicyError(f"second opinion 'agrees' must be true/false/None, got {agrees!r}")
-        return cls(numbers["mean_prob"], numbers["variance"], numbers["mutual_information"], agrees, members)
-
-    def signals(self) -> dict[str, Any]:
-        return {
-            "so.mean_prob": self.mean_prob,
-            "so.variance": self.variance,
-            "so.mutual_information": self.mutual_information,
-            "so.agrees": self.agrees,
-        }
-
-
-@runtime_checkable
-class SecondOpinionProvider(Protocol):
-    """Anything with ``second_opinion(prompt, response)``, e.g. ``guarduq.sve.SVEnsemble``.
-
-    A provider that also takes ``ended=`` is told whether the reply closed its turn, so it scores
-    the reply in the same layout as the first opinion (a reply cut by ``max_new_tokens`` has no
-    end-of-turn token).
-    """
-
-    def second_opinion(self, prompt: Any, response: str) -> Any: ...
-
 
 # ---------------------------------------------------------------- decisions
 
@@ -335,7 +291,7 @@ class Policy:
             for name, cfg in self.config.sinks.items()
         }
         bound = Policy(self.config, source=self.source, base_dir=self.base_dir, sha256=self.sha256)
-        bound._provider = _as_provider(second_opinion) if second_opinion is not None else None
+        bound._provider = as_provider(second_opinion) if second_opinion is not None else None
         bound._sinks = built
         bound._calibrated = calibrator is not None
         bound.risk_threshold = threshold
@@ -413,7 +369,7 @@ class Policy:
         Runtime failures (a non-finite signal, a failing second opinion or sink) give the
         ``on_error`` decision; configuration mistakes raise ``PolicyError``.
         """
-        provider = _as_provider(second_opinion) if second_opinion is not None else self._provider
+        provider = as_provider(second_opinion) if second_opinion is not None else self._provider
         if self.uses_second_opinion and provider is None:
             self.bind()  # raises the clear "no provider" error
         sinks = self._bound_sinks()
@@ -427,12 +383,12 @@ class Policy:
             if isinstance(rule, SecondOpinionRule):
                 assert provider is not None  # checked above
                 try:
-                    so = SecondOpinion.coerce(_ask(provider, prompt, response, ended))
+                    so = SecondOpinion.coerce(ask(provider, prompt, response, ended))
                 except Exception as exc:  # a provider failure is a runtime failure, not a crash
                     raise _Failure("second_opinion", exc) from exc
                 values.update(so.signals())
                 values["so.risk"] = self._second_risk(risk, so)
-                lines.append(f"second opinion: {_so_summary(so)}"
+                lines.append(f"second opinion: {summary(so)}"
                              + (f" risk={_fmt(values['so.risk'])}" if self._second is not None else ""))
                 outer, outer_name = rule, rule.name
                 rule, inner_checks = self._first_match(outer.rules, values, lines, prefix=f"{outer.name}/")
@@ -568,34 +524,6 @@ class Policy:
         )
 
 
-def _as_provider(obj: Any) -> SecondOpinionProvider:
-    if isinstance(obj, SecondOpinionProvider):
-        return obj
-    if callable(obj):
-        return _CallableProvider(obj)
-    raise PolicyError(f"second_opinion must have a second_opinion(prompt, response) method, got {obj!r}")
-
-
-@dataclass(frozen=True)
-class _CallableProvider:
-    fn: Callable[[Any, str], Any]
-
-    def second_opinion(self, prompt: Any, response: str) -> Any:
-        return self.fn(prompt, response)
-
-
-def _ask(provider: SecondOpinionProvider, prompt: Any, response: str, ended: bool) -> Any:
-    """``provider.second_opinion``, with ``ended=`` when its signature takes it."""
-    fn = provider.fn if isinstance(provider, _CallableProvider) else provider.second_opinion
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins and some C callables have no signature
-        params = ()
-    if any(p.name == "ended" or p.kind is p.VAR_KEYWORD for p in params):
-        return fn(prompt, response, ended=ended)
-    return fn(prompt, response)
-
-
 def _check_finite(values: Mapping[str, Any], used: Collection[str]) -> None:
     for name in sorted(used):
         value = values.get(name)
@@ -605,11 +533,6 @@ def _check_finite(values: Mapping[str, Any], used: Collection[str]) -> None:
             raise _Failure("signals", f"{name} must be a number, got {value!r}")
         if not math.isfinite(value):
             raise _Failure("signals", f"{name} is {value}")
-
-
-def _so_summary(so: SecondOpinion) -> str:
-    return (f"mean_prob={_fmt(so.mean_prob)} variance={_fmt(so.variance)} "
-            f"mutual_information={_fmt(so.mutual_information)} agrees={_fmt(so.agrees)}")
 
 
 def _explain(rule: str | None, action: str, lines: list[str]) -> str:
