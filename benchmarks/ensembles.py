@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
     p.add_argument("--sve-lr-also", default="",
                    help="more SVE learning rates to fit and report beside the chosen one (sensitivity rows)")
+    p.add_argument("--select-only", action="store_true",
+                   help="only the one-member dev fits of each grid with more than one value, shown beside the "
+                        "cell's results (a rate check; no final ensembles)")
     p.add_argument("--train-n", type=int, default=None, help="cap on train items (default: all)")
     p.add_argument("--test-n", type=int, default=None, help="cap on test items (default: all)")
     p.add_argument("--ood-n", type=int, default=600, help="out-of-distribution items (a seeded sample)")
@@ -259,15 +262,20 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
             arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}",
                                       lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
             dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
-            selection.append({"family": family, "lr": lr, "dev_nll": dev_nll})
+            dev_acc = float((arrays["dev"][0].argmax(1) == labels["dev"]).mean())
+            selection.append({"family": family, "lr": lr, "dev_nll": dev_nll, "dev_accuracy": dev_acc})
             if best is None or dev_nll < best[0]:
                 best = (dev_nll, lr)
+        if args.select_only:
+            continue
         chosen[family] = lr = best[1]
         method = trained[lr]  # trained above, or (a resumed run) trained again: seeded, the same model
         singles[family] = stages.run(
             f"{settings_key}-{family}-m1-lr{lr:g}",
             lambda m=method: predict_only(m, top, enc, eval_splits, args.bf16) if m.fitted_ is not None
             else train_and_predict(m, top, enc, args, eval_splits))
+    if args.select_only:
+        return {"selection_only": selection}
     sigma_nll: dict[float, float] = {}
     sigmas = floats(args.sigma_grid)
     for sigma in sigmas if len(sigmas) > 1 else ():  # one value: nothing to select, no M=4 fit
@@ -449,6 +457,8 @@ def goals(res: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any], out: Path) -> None:
     parts = []
     for cell, res in results.items():
+        if "facts" not in res:  # a rate check only, so far
+            continue
         f = res["facts"]
         parts.append(f"## {cell}\n")
         parts.append("Goals of issue 24 on this cell:\n")
@@ -503,6 +513,12 @@ def render(results: dict[str, Any], out: Path) -> None:
         for s in f["selection"]:
             setting = f"lr {s['lr']:g}" if "lr" in s else f"σ_init {s['sigma_init']:g} (M=4)"
             parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} |")
+        if res.get("selection_only"):
+            parts.append("\nOne member at more rates (`--select-only`: dev fits only, no ensemble):\n")
+            parts.append("| family | lr | dev NLL | dev accuracy |\n|---|---|---:|---:|")
+            for s in sorted(res["selection_only"], key=lambda s: (s["family"], s["lr"])):
+                acc = f"{s['dev_accuracy']:.3f}" if "dev_accuracy" in s else "–"
+                parts.append(f"| {s['family']} | {s['lr']:g} | {s['dev_nll']:.4f} | {acc} |")
         slug = cell.replace(":", "-")
         parts.append(f"\n![reliability]({slug}-reliability.png)\n\n![tradeoff]({slug}-tradeoff.png)\n")
         shown = [r for r in res["methods"] if not r["name"].endswith("+ TS") or r["name"] == "base + TS"]
@@ -518,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quick:  # seconds: one setting per grid, few steps, small ensembles
         args.steps, args.batch, args.sve_members, args.members = 6, 4, 4, 2
-        args.lr_sve, args.lr_lora, args.lr_deep, args.sigma_grid = "1e-2", "3e-3", "1e-3", "0.05"
+        defaults = parse_args([])
+        for name, value in {"lr_sve": "1e-2", "lr_lora": "3e-3", "lr_deep": "1e-3", "sigma_grid": "0.05"}.items():
+            if getattr(args, name) == getattr(defaults, name):  # a grid given on the command line stays
+                setattr(args, name, value)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -530,7 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         for cell in cells:
             res = run_cell(cell, args)
             # re-read: another run may have finished another cell meanwhile; replace this cell only
-            results = {**(json.loads(path.read_text()) if path.is_file() else {}), cell: res}
+            results = json.loads(path.read_text()) if path.is_file() else {}
+            prev = results.get(cell, {})
+            keep = "selection_only"  # a rate check stays beside the cell's results, and the other way round
+            results[cell] = {**prev, **res} if args.select_only else {**res, **({keep: prev[keep]} if keep in prev else {})}
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(results))
             os.replace(tmp, path)

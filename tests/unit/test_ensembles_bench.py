@@ -188,6 +188,12 @@ def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     assert ensembles.main(args) == 0
     again = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
     assert again["methods"] == res["methods"]
+    # a rate check (--select-only) lands beside the cell's results, which it leaves as they were
+    assert ensembles.main([*args, "--select-only", "--lr-sve", "1e-2,3e-2"]) == 0
+    checked = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    assert checked["methods"] == res["methods"]
+    assert sorted(s["lr"] for s in checked["selection_only"]) == [1e-2, 3e-2]
+    assert "--select-only" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_vectorised_metrics_match_the_librarys() -> None:
