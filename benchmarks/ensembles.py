@@ -69,6 +69,7 @@ from guarduq.calibration import reliability_bins  # noqa: E402
 from guarduq.calibration.datasets import default_data_dir  # noqa: E402
 from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2  # noqa: E402
 from guarduq.models import cache_root, fingerprint, load_model  # noqa: E402
+from guarduq.sve import LLAMA_TARGETS  # noqa: E402
 
 CELLS = ("smollm2:arc", "gemma:arc", "smollm2:sst2", "smollm2:csqa")
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma": "gemma-3-270m"}
@@ -311,9 +312,22 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     base_params = sum(p.numel() for p in model.parameters())
     return report_cell(cell, task, enc, labels, singles, finals, args, {
         "k": k, "blocks": n_blocks, "base_params": base_params, "chosen_lr": chosen, "sigma_init": sigma,
+        "median_singular_value": median_singular_value(top),
         "selection": selection, "encode_seconds_per_item": {s: e.seconds / max(len(e), 1) for s, e in enc.items()},
         "sizes": {s: len(e) for s, e in enc.items()},
     })
+
+
+def median_singular_value(top: Top) -> float:
+    """The median singular value of the trained blocks' targeted matrices.
+
+    SVE's parameters are the singular values themselves, so one AdamW learning rate moves them by
+    about the same absolute amount in any model: relative to Σ, by lr / Σ. This is the scale that
+    tells whether a rate chosen on one model transfers to another."""
+    values = [torch.linalg.svdvals(m.weight.detach().float())
+              for block in top.frozen_blocks() for name, m in block.named_modules()
+              if name.rpartition(".")[2] in LLAMA_TARGETS and isinstance(m, torch.nn.Linear)]
+    return float(np.median(torch.cat(values).numpy())) if values else float("nan")
 
 
 def _subset(arrays: dict[str, np.ndarray], m: int) -> dict[str, np.ndarray]:
@@ -468,6 +482,9 @@ def render(results: dict[str, Any], out: Path) -> None:
             f"- n: {f['sizes']}; blocks trained: the last {f['blocks'] - f['k']} of {f['blocks']} (every method); "
             f"chosen learning rates {f['chosen_lr']}, SVE σ_init {f['sigma_init']}."
         )
+        if f.get("median_singular_value") is not None:
+            parts.append(f"- Median singular value of the trained blocks' targeted matrices: "
+                         f"{f['median_singular_value']:.2f} (SVE's step relative to Σ is about lr / Σ).")
         if res.get("ood"):
             parts.append(f"- OOD items: {res['ood']}.")
         for r in res["methods"]:

@@ -23,6 +23,7 @@ from _ensemble_methods import (  # noqa: E402
     encode_split,
 )
 
+from guarduq.sve import LLAMA_TARGETS  # noqa: E402
 from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
 
 
@@ -181,6 +182,13 @@ def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     for r in res["methods"]:
         assert 0.0 <= r["accuracy"][0] <= 1.0 and r["accuracy"][1] <= r["accuracy"][0] <= r["accuracy"][2]
         assert r["nll"][0] > 0 and r["ece_floor"][0] > 0
+    import statistics
+
+    expected_median = statistics.median(  # every singular value of the targeted matrices of the trained blocks
+        float(v) for block in list(tiny_llama(seed=0, layers=4).model.layers)[-2:]
+        for name, m in block.named_modules() if name.rpartition(".")[2] in LLAMA_TARGETS
+        for v in torch.linalg.svdvals(m.weight.detach().float()))
+    assert res["facts"]["median_singular_value"] == pytest.approx(expected_median, rel=1e-5)
     assert (tmp_path / "out" / "tiny-synthetic-reliability.png").stat().st_size > 0
     page = (tmp_path / "out" / "README.md").read_text()
     assert "SVE M=4" in page and "Paired bootstrap" in page
