@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
     p.add_argument("--sve-lr-also", default="",
                    help="more SVE learning rates to fit and report beside the chosen one (sensitivity rows)")
+    p.add_argument("--sve-lr-also-members", type=int, default=None,
+                   help="members of the --sve-lr-also fits (default: --sve-members)")
     p.add_argument("--select-only", action="store_true",
                    help="only the one-member dev fits of each grid with more than one value, shown beside the "
                         "cell's results (a rate check; no final ensembles)")
@@ -301,11 +303,12 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
                            lambda: train_and_predict(FAMILIES["deep"](args.members, chosen["deep"]),
                                                      top, enc, args, eval_splits)),
     }
+    also = args.sve_lr_also_members or args.sve_members
     for lr in floats(args.sve_lr_also):  # sensitivity: the final SVE at another rate, reported beside it
-        if lr != chosen["sve"]:
+        if lr != chosen["sve"] or also != args.sve_members:
             finals[f"sve-lr{lr:g}"] = stages.run(
-                f"{settings_key}-sve-m{args.sve_members}-lr{lr:g}-s{sigma:g}",
-                lambda lr=lr: train_and_predict(SVEMethod(args.sve_members, lr, sigma_init=sigma),
+                f"{settings_key}-sve-m{also}-lr{lr:g}-s{sigma:g}",
+                lambda lr=lr: train_and_predict(SVEMethod(also, lr, sigma_init=sigma),
                                                 top, enc, args, eval_splits))
     for family in ("lora", "deep"):
         singles.setdefault(family, first_member(*finals[family]))
@@ -371,7 +374,7 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
     methods.append((f"deep ensemble M={args.members}", *finals["deep"]))
     for key, (arrays, info) in finals.items():
         if key.startswith("sve-lr"):
-            methods.append((f"SVE M={args.sve_members}, lr {key.removeprefix('sve-lr')}", arrays, info))
+            methods.append((f"SVE M={arrays['test'].shape[0]}, lr {key.removeprefix('sve-lr')}", arrays, info))
 
     rows, probs_test = [], {}
     for name, arrays, info in methods:
@@ -411,10 +414,11 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
         for metric in ("ece", "accuracy", "nll"):
             paired[f"{sve_name} - {other}: {metric}"] = paired_diff(
                 probs_test[sve_name], probs_test[other], labels["test"], metric)
-    for other in (n for n, _, _ in methods if n.startswith(f"{sve_name}, lr ")):  # sensitivity rows
-        for metric in ("ece", "accuracy", "nll"):
-            paired[f"{other} - {sve_name}: {metric}"] = paired_diff(
-                probs_test[other], probs_test[sve_name], labels["test"], metric)
+    for other in (n for n, _, _ in methods if n.startswith("SVE M=") and ", lr " in n):  # sensitivity rows
+        for ref in (sve_name, lora_name, deep_name):
+            for metric in ("ece", "accuracy", "nll"):
+                paired[f"{other} - {ref}: {metric}"] = paired_diff(
+                    probs_test[other], probs_test[ref], labels["test"], metric)
     return {"cell": cell, "task": task.name, "ood": task.ood_name, "facts": facts, "methods": rows,
             "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()}}
 

@@ -196,10 +196,15 @@ def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     assert ensembles.main(args) == 0
     again = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
     assert again["methods"] == res["methods"]
+    # a sensitivity fit with fewer members: its own row, paired with the chosen SVE and both baselines
+    assert ensembles.main([*args, "--sve-lr-also", "3e-2", "--sve-lr-also-members", "2"]) == 0
+    also = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    assert [r["members"] for r in also["methods"] if r["name"] == "SVE M=2, lr 0.03"] == [2]
+    assert {"SVE M=2, lr 0.03 - LoRA-Ensemble M=2: ece", "SVE M=2, lr 0.03 - SVE M=4: nll"} <= set(also["paired"])
     # a rate check (--select-only) lands beside the cell's results, which it leaves as they were
     assert ensembles.main([*args, "--select-only", "--lr-sve", "1e-2,3e-2"]) == 0
     checked = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
-    assert checked["methods"] == res["methods"]
+    assert checked["methods"] == also["methods"]
     assert sorted(s["lr"] for s in checked["selection_only"]) == [1e-2, 3e-2]
     assert "--select-only" in (tmp_path / "out" / "README.md").read_text()
 
