@@ -108,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--members", type=int, default=4)
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch-size", type=int, default=4, help="items per member per step")
-    t.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (3e-2 chosen on ARC-Easy dev: docs/ensembles)")
+    t.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate, in the singular values' units (3e-2 chosen for SmolLM2 on ARC-Easy dev; 1e-3 for Gemma-3-270m: docs/ensembles)")
     t.add_argument("--sigma-init", type=float, default=0.05)
     t.add_argument("--targets", help=f"comma-separated layer names (default all of: {', '.join(KNOWN_TARGETS)})")
     t.add_argument("--last-n-blocks", type=int, help="only target the last N transformer blocks")
