@@ -17,6 +17,7 @@ from guarduq.cli._run import (
     parameter_kwargs,
     parameter_set_arg,
     sve_arg,
+    threads_arg,
 )
 from guarduq.errors import GuardUQError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        **with_example("guarduq serve --model smollm2-135m-instruct --policy policies/default.yaml "
                                       "--audit audit.jsonl --port 8000"))
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    threads_arg(p)
     parameter_set_arg(p)
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
