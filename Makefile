@@ -138,7 +138,7 @@ risk-data-gemma: $(BENCH_STAMP)
 # 504-per-dataset goal (3,528 answers) takes about 4 h (0.5B) and 11 h (1.5B); both resume from
 # $(QWEN_RUNS)/cache, kept outside the work tree so that a new checkout picks them up.
 QWEN_RUNS ?= $${GUARDUQ_RUNS:-$$HOME/.cache/guarduq/runs}
-QWEN_ROUNDS ?= 64 160 320 504
+QWEN_ROUNDS ?= 16 64 160 320 504
 QWEN_THREADS ?= 1
 risk-data-qwen-0.5b: model-qwen-0.5b
 	@$(call risk_rounds,qwen2.5-coder-0.5b-instruct)
