@@ -9,7 +9,7 @@
    fastest of ``--repeats`` kept per mode; the ratio is summed guarded / summed unguarded time.
 2. ``batch``: ``score_batch`` at batch 4 against a loop of ``score`` on the same pairs, with the
    largest relative difference of epistemic and p̄ (the fast path's stated tolerance is 1e-4).
-3. ``dtype``: the model's own cached answers (TriviaQA and NQ-open, from the risk run's cache)
+3. ``dtype``: the model's own cached answers (spread over the datasets the risk run's cache holds)
    teacher-forced in float32 and in bfloat16, each in a fresh process: seconds, peak resident
    memory (VmHWM), each score's relative error against float32, and the AUROC for wrong answers
    of each signal in both dtypes with a paired bootstrap interval of the difference.
@@ -40,14 +40,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from overhead import _vm  # noqa: E402  (a /proc/self/status field in bytes)
 
 DATA = Path(os.environ.get("GUARDUQ_DATA", ROOT.parent / "shared" / "data"))
-DTYPE_DATASETS = {"triviaqa": "triviaqa/triviaqa_dev_extra_2k.jsonl", "nq-open": "nq_open/NQ-open.dev.jsonl"}
+# The seven QA sets as the Makefile's QA_SETS reads them (the risk run's cache keys their items).
+QA_FILES = {"truthfulqa-mc": "truthfulqa/TruthfulQA.csv", "truthfulqa-gen": "truthfulqa/TruthfulQA.csv",
+            "triviaqa": "triviaqa/triviaqa_dev_extra_2k.jsonl", "nq-open": "nq_open/NQ-open.dev.jsonl",
+            "arc": "arc_easy/ARC-Easy-Test.jsonl", "commonsenseqa": "commonsense_qa/dev_rand_split.jsonl",
+            "boolq": "boolq/dev.jsonl"}
 SCORE_KEYS = ("epistemic", "aleatoric", "mean_token_prob", "mean_logprob", "min_token_prob", "mean_entropy")
 
 
 def questions(n: int) -> list[str]:
     from guarduq.calibration.datasets import load_dataset
 
-    ds = load_dataset("triviaqa", DATA / DTYPE_DATASETS["triviaqa"], limit=n)
+    ds = load_dataset("triviaqa", DATA / QA_FILES["triviaqa"], limit=n)
     return [it.prompt for it in ds.items]
 
 
@@ -101,7 +105,8 @@ def batch_vs_loop(model: str, pairs: list[tuple[str, str]], batch_size: int = 4)
 
 
 def cached_answers(cache_glob: str, n: int) -> list[dict[str, Any]]:
-    """The model's own scored answers to ``DTYPE_DATASETS``, with their prompts and labels."""
+    """Up to ``n`` of the model's own scored answers, spread evenly over the cached datasets, with
+    their prompts and labels (the response as scored: the generated answer or the chosen option)."""
     from guarduq.calibration.datasets import load_dataset
 
     recs: dict[str, dict[str, Any]] = {}
@@ -109,14 +114,16 @@ def cached_answers(cache_glob: str, n: int) -> list[dict[str, Any]]:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("dataset") in DTYPE_DATASETS and r.get("label") is not None and r.get("response"):
+                if r.get("dataset") in QA_FILES and r.get("label") is not None and r.get("response"):
                     recs.setdefault(r["id"], r)
+    names = sorted({r["dataset"] for r in recs.values()})
     out = []
-    for name, rel in DTYPE_DATASETS.items():
-        items = {it.id: it for it in load_dataset(name, DATA / rel).items}
-        mine = [r for r in recs.values() if r["dataset"] == name and r["id"] in items]
+    for name in names:
+        items = {it.id: it for it in load_dataset(name, DATA / QA_FILES[name]).items}
+        mine = [r for r in recs.values() if r["dataset"] == name and r["id"] in items
+                and items[r["id"]].prompt_hash == r["prompt_hash"]]  # the very prompt that was scored
         out += [{"prompt": items[r["id"]].prompt, "response": r["response"], "ended": bool(r.get("ended")),
-                 "label": r["label"], "dataset": name} for r in mine[: n // 2]]
+                 "label": r["label"], "dataset": name} for r in mine[: max(1, n // len(names))]]
     return out
 
 
