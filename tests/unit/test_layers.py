@@ -27,10 +27,12 @@ ML = {"torch", "transformers", "sklearn", "scipy", "safetensors"}
 class Module:
     """What one module imports when it is imported (``top``) and inside its functions (``lazy``).
 
-    Type-only imports (under ``if TYPE_CHECKING:``) run never and count in neither."""
+    Type-only imports (under ``if TYPE_CHECKING:``) never run: they are kept apart (``typed``)."""
 
     top: set[str] = field(default_factory=set)
     lazy: set[str] = field(default_factory=set)
+    typed: set[str] = field(default_factory=set)
+    private: set[str] = field(default_factory=set)  # `module._name` it imports from another module
     root_names: bool = False  # `from guarduq import <a public name>`
 
     @property
@@ -45,10 +47,10 @@ def _is_module(name: str) -> bool:
 
 class _Reader(ast.NodeVisitor):
     def __init__(self, into: Module) -> None:
-        self.into, self.depth = into, 0
+        self.into, self.depth, self.typing = into, 0, False
 
     def _add(self, names: set[str]) -> None:
-        (self.into.lazy if self.depth else self.into.top).update(names)
+        (self.into.typed if self.typing else self.into.lazy if self.depth else self.into.top).update(names)
 
     def visit_FunctionDef(self, node: ast.AST) -> None:
         self.depth += 1
@@ -59,6 +61,10 @@ class _Reader(ast.NodeVisitor):
 
     def visit_If(self, node: ast.If) -> None:
         if ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            self.typing = True
+            for child in node.body:
+                self.visit(child)
+            self.typing = False
             for child in node.orelse:
                 self.visit(child)
             return
@@ -71,6 +77,9 @@ class _Reader(ast.NodeVisitor):
         if not node.module or node.level:
             return
         found = set()
+        self.into.private |= {
+            f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+        }
         for a in node.names:  # `from guarduq.x import y` imports the submodule y where there is one
             sub = f"{node.module}.{a.name}"
             found.add(sub if node.module.startswith("guarduq") and _is_module(sub) else node.module)
@@ -104,12 +113,14 @@ def _part(module: str) -> str:
 
 
 def _graph() -> dict[str, set[str]]:
-    """Module -> the package modules that importing it runs or its functions import, with the
-    ``__init__`` of every package entered on the way (its own packages aside: those run first)."""
+    """Module -> the package modules it imports (to run, in its functions, or for its types), with
+    the ``__init__`` of every package entered on the way (its own packages aside: those run first).
+
+    Type-only imports count: a module that needs another's types to be read sits above it."""
     graph: dict[str, set[str]] = {}
     for name, m in MODULES.items():
         mine = set(_parents(name))
-        targets = {t for t in m.edges if t in MODULES}
+        targets = {t for t in m.edges | m.typed if t in MODULES}
         graph[name] = (targets | {p for t in targets for p in _parents(t)}) - mine - {name}
     return graph
 
@@ -194,7 +205,6 @@ def test_the_package_root_loads_only_the_ground_floor() -> None:
     assert {_part(m) for m in _loads("guarduq")} <= {p for p, f in FLOORS.items() if f == 0}
 
 
-@pytest.mark.xfail(strict=True, reason="#34 part 3: batched <-> uncertainty, scoring <-> calibration")
 @pytest.mark.parametrize("level", ["module", "part"])
 def test_no_circles(level: str) -> None:
     graph = _graph()
@@ -219,3 +229,28 @@ def test_light_faces_load_no_torch(part: str, heavy: set[str]) -> None:
         loaded = _loads(m)
         found = {i for r in loaded for i in MODULES[r].top if i.split(".")[0] in heavy}
         assert not found, f"{m} loads {sorted(found)} through {sorted(loaded)}"
+
+
+# Private names that still cross into another module (a ratchet: the list only shrinks). The
+# scorers and SVE training share public names only (#34).
+CROSSING = {
+    "guarduq.cli._cascade": {"_check_outputs", "_json_default", "_score_all", "_splitter", "_sve_plan", "_xy"},
+    "guarduq.cli.calibrate": {"_cmd_cascade", "_check_outputs", "_json_default", "_score_all", "_splitter",
+                              "_sve_plan", "_sve_shape", "_xy"},
+    "guarduq.calibration.calibrator": {"_labels"},
+    "guarduq.calibration.datasets": {"_content_id", "_require", "_RowError"},
+    "guarduq.integrations.langchain.callback": {"_ended", "_payload_of"},
+    "guarduq.integrations.langchain.runnable": {"_ended", "_payload_of"},
+    "guarduq.policy.engine": {"_evaluate", "_fmt", "_signals_in", "_raise_issues"},
+    "guarduq.policy.second_opinion": {"_fmt"},
+    "guarduq.sve.ensemble": {"_atomic_save", "_read_artifact", "_svds", "_block_indices", "_block_of",
+                             "_hidden_size", "_PrefixSharing", "_same_logits", "_select_modules"},
+    "guarduq.sve.io": {"_weight_as_linear"},
+}
+
+
+def test_private_names_cross_only_where_known() -> None:
+    crossing = {m: {p.rpartition(".")[2] for p in found.private} for m, found in MODULES.items() if found.private}
+    new = {m: names - CROSSING.get(m, set()) for m, names in crossing.items()}
+    assert {m: n for m, n in new.items() if n} == {}
+    assert not any(_part(m) == "scoring" or m == "guarduq.sve.training" for m in crossing)

@@ -13,12 +13,12 @@ from transformers import GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 from guarduq import layout
-from guarduq.calibration.labels import same_answer
+from guarduq.answers import same_answer
 from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError, SVEError
 from guarduq.scoring.reuse import decoder_blocks
 from guarduq.sve import SVELinear, SVEnsemble
 from guarduq.sve.layers import _same_logits
-from guarduq.sve.training import _member_batch
+from guarduq.sve.training import member_batch
 from tests.conftest import make_tokenizer as tiny_tokenizer
 from tests.conftest import tiny_gpt2 as conftest_gpt2
 from tests.conftest import tiny_llama
@@ -258,7 +258,7 @@ CLASS_DATA = [
 
 def test_member_batches_are_per_member_permutations():
     n, b = 8, 3
-    streams = [[i for s in range(8) for i in _member_batch(n, m, s, b, seed=0)] for m in range(3)]
+    streams = [[i for s in range(8) for i in member_batch(n, m, s, b, seed=0)] for m in range(3)]
     for stream in streams:  # each epoch of n consecutive items is a permutation
         for e in range(len(stream) // n):
             assert sorted(stream[e * n : (e + 1) * n]) == list(range(n))
