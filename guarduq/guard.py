@@ -176,7 +176,7 @@ class Guard:
             default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
         ))
         self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
-        self.traffic = Traffic.open(store, self.policy) if store is not None else None
+        self.traffic = Traffic.open(store) if store is not None else None
         self.raise_on_abstain = raise_on_abstain
 
     def reload(self, policy: Policy | str | os.PathLike[str] | None = None,
@@ -467,8 +467,7 @@ class Guard:
                 log_text=bool(policy and policy.log_text),
             ))
         if self.traffic is not None:
-            self.traffic.record(r, policy=policy, calibrator_sha256=calibrator.sha256 if calibrator
-                                else None, tokens=lambda: self._token_pieces(r))
+            self.traffic.record(r, pair, tokens=lambda: self._token_pieces(r))
         if decision is not None and self.raise_on_abstain and not decision.shown:
             raise GuardUQAbstention(decision.text, decision)
         return r
