@@ -30,9 +30,10 @@ from guarduq.errors import (
 
 if TYPE_CHECKING:
     from guarduq.calibration.calibrator import Calibrator
-    from guarduq.guard import Guard, GuardedResponse
+    from guarduq.guard import Guard
     from guarduq.models import LoadedModel, ModelInfo, fingerprint, load_model
     from guarduq.policy import AuditLog, Decision, Policy, SecondOpinion
+    from guarduq.response import GuardedResponse
     from guarduq.scoring.uncertainty import GradientScorer, Scores
     from guarduq.sve.ensemble import SVEnsemble
 
@@ -72,9 +73,10 @@ __getattr__, __dir__ = attach(
     __name__,
     {
         "guarduq.calibration.calibrator": ["Calibrator"],
-        "guarduq.guard": ["Guard", "GuardedResponse"],
+        "guarduq.guard": ["Guard"],
         "guarduq.models": ["LoadedModel", "ModelInfo", "fingerprint", "load_model"],
         "guarduq.policy": ["AuditLog", "Decision", "Policy", "SecondOpinion"],
+        "guarduq.response": ["GuardedResponse"],
         "guarduq.scoring.uncertainty": ["GradientScorer", "Scores"],
         "guarduq.sve.ensemble": ["SVEnsemble"],
     },

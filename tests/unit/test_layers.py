@@ -15,7 +15,7 @@ FLOORS: dict[str, int] = {
     **dict.fromkeys(["<root>", "errors", "_logging", "_version", "_lazy", "_storage", "_http", "answers"], 0),
     **dict.fromkeys(["models", "model_parts", "layout", "batching", "streaming", "scoring", "sve", "calibration"], 1),
     **dict.fromkeys(["policy", "store"], 2),  # the decisions, side by side
-    **dict.fromkeys(["decider", "traffic", "guard", "distributed"], 3),  # what orchestrates
+    **dict.fromkeys(["decider", "traffic", "response", "guard", "distributed"], 3),  # what orchestrates
     **dict.fromkeys(["cli", "integrations", "serve", "review", "__main__"], 4),  # what faces users
 }
 FACES = 4  # `from guarduq import Guard` reads the package's public names: only faces may

@@ -65,8 +65,9 @@ def test_old_import_paths_still_work() -> None:
     from guarduq.calibration import Calibrator, Threshold, ece
     from guarduq.calibration.metrics import ece as metrics_ece
     from guarduq.guard import Guard as G
+    from guarduq.guard import GuardedResponse as R
 
     assert Guard is G and ece is metrics_ece and callable(load_model)
-    assert GuardedResponse.__module__ == "guarduq.guard" and SVEnsemble.__module__ == "guarduq.sve.ensemble"
+    assert GuardedResponse is R and GuardedResponse.__module__ == "guarduq.response" and SVEnsemble.__module__ == "guarduq.sve.ensemble"
     assert Calibrator.__module__ == "guarduq.calibration.calibrator"
     assert Threshold.__module__ == "guarduq.calibration.thresholds"
