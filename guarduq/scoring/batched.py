@@ -50,10 +50,6 @@ from guarduq.scoring.scores import Scores, pass_scores
 
 log = get_logger("batched")
 
-try:  # GPT-2's linear layer (weight stored [in, out])
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency
-    Conv1D = ()  # type: ignore[assignment,misc]
 
 
 class _Unsupported(Exception):
@@ -230,9 +226,19 @@ def _owners(model: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's linear layer (weight stored [in, out]). transformers is asked only for a module so
+    named: importing it takes ~1.5 s, and this module loads with the scorer (and the CLI)."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module) is Conv1D
+
+
 def _route(module: nn.Module) -> str:
     """How a module's own parameters are normed: "linear", "embedding", "small" (vmap)."""
-    if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or type(module) is Conv1D:
+    if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or _is_conv1d(module):
         return "linear"
     if type(module) is nn.Embedding and module.max_norm is None:
         return "embedding"

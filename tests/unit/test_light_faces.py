@@ -49,6 +49,18 @@ def test_a_heavy_name_loads_its_module_on_first_read() -> None:
     assert loaded.split() == ["False", "True", "False", "guarduq.calibration.calibrator"]
 
 
+def test_the_scorer_loads_no_transformers() -> None:
+    """The CLI loads the scorer to register its commands; transformers (~1.5 s) loads with a model."""
+    loaded = _run(
+        """
+        import sys
+        import guarduq.scoring.uncertainty, guarduq.sve
+        print("transformers" in sys.modules)
+        """
+    )
+    assert loaded.strip() == "False"
+
+
 @pytest.mark.parametrize("package", [guarduq, guarduq.calibration], ids=lambda p: p.__name__)
 def test_every_public_name_resolves_and_is_listed(package) -> None:
     for name in package.__all__:
