@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from guarduq.calibration import Calibrator, feature_matrix
 from guarduq.errors import CalibrationError
 from guarduq.policy import Policy
+from guarduq.store.sampling import ReviewSampler
 
 if TYPE_CHECKING:
     from guarduq.models import ModelInfo
@@ -64,6 +65,20 @@ class Decider:
     policy_source: Path | Policy | None = None
     calibrator_source: Path | Calibrator | None = None
     binding: Binding = field(default_factory=Binding)
+    # Draws the review sample from the replies this pair decides (``guarduq.traffic``), by its
+    # policy's ``review`` settings; None without a policy. Built with the pair (``replace`` too),
+    # so a sample is always drawn by the settings of the policy that decided the reply.
+    review_sampler: ReviewSampler | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sampler = ReviewSampler.from_settings(self.policy.config.review) if self.policy is not None else None
+        object.__setattr__(self, "review_sampler", sampler)
+
+    def keeps_text(self, sampled: bool) -> bool:
+        """Whether a reply's text is stored: every reply's with ``audit.log_text``, a sampled one's
+        with ``review.keep_text`` (the opt-ins); else its scores only."""
+        p = self.policy
+        return p is not None and (p.log_text or (sampled and p.config.review.keep_text))
 
     @property
     def identity(self) -> Identity:

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import ValidationError
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
 from sklearn.preprocessing import StandardScaler
@@ -46,7 +45,15 @@ from sklearn.preprocessing import StandardScaler
 from guarduq._logging import get_logger
 from guarduq._storage import write_atomic
 from guarduq._version import __version__
-from guarduq.calibration._artifact import Artifact
+from guarduq.calibration._artifact import (  # noqa: F401 - the format's names, re-exported
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSION_WITHIN,
+    READABLE_VERSIONS,
+    Artifact,
+    read_artifact,
+    strict_json,
+)
 from guarduq.calibration.drift import drift_features, reference_quantiles
 from guarduq.calibration.features import (
     COSTLY,
@@ -76,12 +83,6 @@ from guarduq.scoring.parameters import ALL_PARAMETERS, parse_parameter_set
 
 log = get_logger("calibration")
 
-FORMAT = "guarduq-calibrator"
-# 2 adds feature_set and logistic.cv; 3 (written only for a within fit) adds logistic.within,
-# so an older guarduq refuses such an artifact as too new instead of calling it corrupt.
-FORMAT_VERSION = 2
-FORMAT_VERSION_WITHIN = 3
-READABLE_VERSIONS = (1, 2, 3)
 MIN_FIT_ITEMS = 10
 # Candidate L2 strengths for cross-validation, fixed before seeing data (1e-3 = a strong prior
 # toward "risk = base rate", 100 = almost unregularised).
@@ -446,7 +447,7 @@ class Calibrator:
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
             "thresholds": [asdict(t) for t in self.thresholds_],
-            "metrics": _jsonable(self.metrics_),
+            "metrics": strict_json(self.metrics_),
             "datasets": self.datasets_,
             "split": self.split_,
             "evaluation_data": self.evaluation_.data_dict()
@@ -477,31 +478,7 @@ class Calibrator:
         ``allow_mismatch=True`` loads it anyway and logs a warning (scores will be miscalibrated).
         """
         path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise ArtifactError(f"calibrator file not found: {path}") from None
-        except OSError as exc:
-            raise ArtifactError(f"cannot read calibrator {path}: {exc}") from exc
-        except ValueError as exc:  # a NUL or a lone surrogate in the path
-            raise ArtifactError(f"cannot read calibrator {str(path)!r}: {exc}") from exc
-        try:
-            doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ArtifactError(f"{path} is not valid JSON (corrupt calibrator?): {exc}") from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ArtifactError(f"{path} is not a guarduq calibrator (format != {FORMAT!r})")
-        if doc.get("format_version") not in READABLE_VERSIONS:
-            raise ArtifactError(
-                f"{path} has calibrator format version {doc.get('format_version')!r}; this guarduq "
-                f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
-            )
-        try:
-            art = Artifact.model_validate(doc)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ArtifactError(f"{path}: corrupt calibrator at '{where}': {first['msg']}") from exc
+        art, raw = read_artifact(path)
         self = cls._from_artifact(art, path)
         self._sha256 = hashlib.sha256(raw).hexdigest()
         self.check_model(expected_fingerprint, allow_mismatch=allow_mismatch)
@@ -587,19 +564,6 @@ def _as_float(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _jsonable(obj: Any) -> Any:
-    """Replace NaN/inf by None so artifacts stay strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _jsonable(obj.item())
-    return obj
 
 
 def _parameter_set(s: ScoreLike) -> str:
