@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guarduq.calibration import Calibrator, feature_matrix
-from guarduq.errors import CalibrationError
+from guarduq.errors import CalibrationError, FingerprintMismatchError
 from guarduq.policy import Policy
 from guarduq.store.sampling import ReviewSampler
 
@@ -114,11 +114,17 @@ class Decider:
         if calibrator is None and pol is not None:
             calibrator = pol.calibrator_path
         if isinstance(calibrator, str | os.PathLike):
-            cal = Calibrator.load(calibrator, expected_fingerprint=model.fingerprint)
+            try:
+                cal = Calibrator.load(calibrator, expected_fingerprint=model.fingerprint, expected_model=model.name)
+            except FingerprintMismatchError as exc:
+                if spec is not None or pol is None:
+                    raise
+                raise FingerprintMismatchError(f"policy {pol.name!r} ({pol.source}) names calibrator "
+                                               f"{calibrator}: {exc}") from exc
         else:
             cal = calibrator
             if strict and cal is not None:
-                cal.check_model(model.fingerprint)
+                cal.check_model(model.fingerprint, model_name=model.name)
         if cal is not None and parameter_set is not None and cal.parameter_set_ != parameter_set:
             raise CalibrationError(
                 f"the calibrator was fitted on gradients over parameters '{cal.parameter_set_}', but this "
@@ -134,7 +140,8 @@ class Decider:
             second = pol.second_calibrator_path
             bound = pol.bind(second_opinion=binding.second_opinion, allow_callables=binding.allow_callables,
                              sinks=binding.sinks, calibrator=cal,
-                             second_calibrator=Calibrator.load(second, expected_fingerprint=model.fingerprint)
+                             second_calibrator=Calibrator.load(second, expected_fingerprint=model.fingerprint,
+                                                               expected_model=model.name)
                              if second is not None and cal is not None else None)
         return cls(bound, cal, policy_source=_source(policy, pol), calibrator_source=_source(spec, spec),
                    binding=binding)

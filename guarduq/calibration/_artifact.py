@@ -30,6 +30,7 @@ class _ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     name: str | None
     fingerprint: str | None
+    source: str | None = None  # an alias, an absolute path or a hub id: how to load the model again
 
 
 class _Scaler(BaseModel):

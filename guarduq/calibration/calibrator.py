@@ -102,7 +102,8 @@ class Calibrator:
     strength, or ``"cv"`` to choose it from ``cv_grid`` by stratified ``cv_folds``-fold
     cross-validation), ``within_groups`` (learn each feature's direction inside the groups given
     to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`), and the
-    model's ``model_name`` / ``model_fingerprint`` the artifact is bound to. Fitted state ends in
+    model's ``model_name`` / ``model_fingerprint`` the artifact is bound to, and ``model_source``
+    (an alias, an absolute path or a hub id) that loads that model again. Fitted state ends in
     ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
     within, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
     any other set are refused, as their epistemic is another quantity).
@@ -118,6 +119,7 @@ class Calibrator:
         within_groups: bool = False,
         model_name: str | None = None,
         model_fingerprint: str | None = None,
+        model_source: str | None = None,
     ) -> None:
         self.feature_set, self.features = resolve_features(features)
         if C != "cv" and not (isinstance(C, int | float) and C > 0):
@@ -132,6 +134,7 @@ class Calibrator:
         self.within_groups = bool(within_groups)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
+        self.model_source = model_source  # how to load the model again: an alias, a path, a hub id
         self.thresholds_: list[Threshold] = []
         self.metrics_: dict[str, Any] = {}
         self.datasets_: list[dict[str, Any]] = []
@@ -402,15 +405,19 @@ class Calibrator:
 
     # -- model binding
 
-    def check_model(self, fingerprint: str | None, *, allow_mismatch: bool = False) -> None:
-        """Refuse to serve a model whose weights differ from the ones this was fitted on."""
+    def check_model(self, fingerprint: str | None, *, model_name: str | None = None,
+                    allow_mismatch: bool = False, hint: str = "") -> None:
+        """Refuse to serve a model whose weights differ from the ones this was fitted on; the
+        message names both models (``model_name``: the one at hand, when known)."""
         if fingerprint is None or self.model_fingerprint is None:
             return
         if fingerprint != self.model_fingerprint:
+            this = f"model '{model_name}'" if model_name else "this model"
             msg = (
                 f"calibrator was fitted for model '{self.model_name}' (fingerprint "
-                f"{self.model_fingerprint}), not for this one (fingerprint {fingerprint}); raw "
-                "scores do not transfer across models - fit a calibrator for this model"
+                f"{self.model_fingerprint}), not for {this} (fingerprint {fingerprint}); raw "
+                f"scores do not transfer across models: {hint or 'fit a calibrator for ' + this} "
+                "(guarduq calibrate --model ...)"
             )
             if not allow_mismatch:
                 raise FingerprintMismatchError(msg)
@@ -432,7 +439,8 @@ class Calibrator:
             "format_version": FORMAT_VERSION if self.groups_ is None else FORMAT_VERSION_WITHIN,
             "guarduq_version": __version__,
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
-            "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
+            "model": {"name": self.model_name, "fingerprint": self.model_fingerprint,
+                      **({"source": self.model_source} if self.model_source else {})},
             "features": list(self.features),
             "feature_set": self.feature_set,
             "parameter_set": self.parameter_set_,
@@ -472,8 +480,11 @@ class Calibrator:
         path: str | os.PathLike[str],
         expected_fingerprint: str | None = None,
         allow_mismatch: bool = False,
+        expected_model: str | None = None,
     ) -> Calibrator:
-        """Read an artifact; ``FingerprintMismatchError`` if it belongs to another model.
+        """Read an artifact; ``FingerprintMismatchError`` if it belongs to another model, naming
+        both (``expected_model``: the name of the model at hand) and, where a calibrator named for
+        that model sits beside this one (``policies/calibrators/<model>.json``), that file.
 
         ``allow_mismatch=True`` loads it anyway and logs a warning (scores will be miscalibrated).
         """
@@ -481,7 +492,9 @@ class Calibrator:
         art, raw = read_artifact(path)
         self = cls._from_artifact(art, path)
         self._sha256 = hashlib.sha256(raw).hexdigest()
-        self.check_model(expected_fingerprint, allow_mismatch=allow_mismatch)
+        sibling = path.with_name(f"{expected_model}.json") if expected_model and "/" not in expected_model else None
+        hint = f"pass {sibling}, fitted for it" if sibling and sibling != path and sibling.is_file() else ""
+        self.check_model(expected_fingerprint, model_name=expected_model, allow_mismatch=allow_mismatch, hint=hint)
         return self
 
     @classmethod
@@ -498,6 +511,7 @@ class Calibrator:
                 C=art.logistic.C if art.logistic.cv is None else "cv",
                 model_name=art.model.name,
                 model_fingerprint=art.model.fingerprint,
+                model_source=art.model.source,
             )
         except CalibrationError as exc:
             raise ArtifactError(f"{path}: {exc}") from exc

@@ -248,7 +248,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if rule:
         features = _apply_rule(rule, parts["fit"], C)
     cal = Calibrator(features, C=C, within_groups=args.within_datasets, model_name=guard.info.name,
-                     model_fingerprint=guard.info.fingerprint)
+                     model_fingerprint=guard.info.fingerprint, model_source=guard.info.source)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
     cal.split_ = fractions
@@ -367,7 +367,7 @@ def _coef_text(cal: Calibrator) -> str:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
     _check_outputs(args)
-    spec = args.model or cal.model_name
+    spec = args.model or cal.model_source or cal.model_name  # older artifacts record the name only
     if not spec:
         raise InputError("the calibrator names no model; pass --model")
     if args.parameter_set is None:  # score over the parameters the calibrator was fitted on
@@ -376,7 +376,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
         args,
         spec,
-        lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch),
+        lambda g: cal.check_model(g.info.fingerprint, model_name=g.info.name, allow_mismatch=args.allow_mismatch),
         p_true="p_true" in cal.features,
         sve=sve,
     )
