@@ -31,6 +31,7 @@ from guarduq.calibration.cascade import DEFAULT_SHARE
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES
 from guarduq.calibration.features import SVE, forward_equivalents
 from guarduq.cli._cascade import _cmd_cascade
+from guarduq.cli._certify import allow_uncertified_arg, check_certified, reasons_for
 from guarduq.cli._help import with_example
 from guarduq.cli._run import run_args
 from guarduq.cli._scoring import (
@@ -96,7 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 1/3)")
     c.add_argument("--test-fraction", type=float, default=0.3)
     c.add_argument("--threshold-fraction", type=float, default=0.3)
-    c.add_argument("--out", type=Path, required=True, help="calibrator JSON to write")
+    c.add_argument("--out", type=Path, required=True,
+                   help="calibrator JSON to write (left alone when no --alpha is certified)")
+    allow_uncertified_arg(c)
     c.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     c.set_defaults(func=_cmd_calibrate)
 
@@ -138,7 +141,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="'fewshot' for base models; 'auto' picks it when the tokenizer has no chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length for QA items")
     p.add_argument("--cache", type=Path, help="scoring cache JSONL (default: under --runs-dir)")
-    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get("GUARDUQ_RUNS", "runs")))
+    p.add_argument("--work", "--runs-dir", dest="runs_dir", type=Path, metavar="DIR",
+                   default=Path(os.environ.get("GUARDUQ_RUNS", "runs")),
+                   help="working folder: the scoring cache, and for --dataset reviews the store's "
+                   "export under DIR/reviews/ (prompt and reply text: files 0600, folder 0700); "
+                   "default ./runs, or $GUARDUQ_RUNS")
     p.add_argument("--skip-malformed", action="store_true", help="skip bad rows instead of failing")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true")
@@ -229,7 +236,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    weights = None
+    weights, n_uniform = None, 0
     if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
         parts, weights, n_uniform = review_parts(ok, datasets, fractions, getattr(args, "review_progress", None))
         check_review_size(parts, n_uniform, alphas, args.delta, fractions)
@@ -256,6 +263,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if weights is not None:
         uniform_reference(cal, ok, datasets)
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
+    reviews = weights is not None  # labels that count: the uniform sample's
+    check_certified(args, args.out, cal.thresholds_, reasons_for(
+        cal.thresholds_, parts["threshold"], n_labels=n_uniform if reviews else len(ok),
+        threshold_fraction=args.threshold_fraction,
+        unit="labels of the uniform sample" if reviews else "labelled answers"))
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
     summary = summarize(records)
