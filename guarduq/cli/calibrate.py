@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
 DEFAULT_ALPHAS = (0.1, 0.2, 0.3)
+DEFAULT_FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,8 +97,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--band-share", type=float, default=DEFAULT_SHARE,
                    help="with --cascade-on: the share of answers that pay for the second opinion "
                    "(default 1/3)")
-    c.add_argument("--test-fraction", type=float, default=0.3)
-    c.add_argument("--threshold-fraction", type=float, default=0.3)
+    c.add_argument("--test-fraction", type=float,
+                   help=f"share held out to measure the calibrator (default {DEFAULT_FRACTIONS['test_fraction']:g}, "
+                   "or the --policy's review.test_fraction)")
+    c.add_argument("--threshold-fraction", type=float,
+                   help="share the thresholds are certified on (default "
+                   f"{DEFAULT_FRACTIONS['threshold_fraction']:g}, or the --policy's review.threshold_fraction)")
+    c.add_argument("--policy", type=Path, metavar="FILE",
+                   help="--dataset reviews: the policy whose review section gives the split fractions "
+                   "(the review page's progress line counts with the same) and whose alpha is the "
+                   "default --alpha")
     c.add_argument("--out", type=Path, required=True,
                    help="calibrator JSON to write (left alone when no --alpha is certified)")
     allow_uncertified_arg(c)
@@ -214,6 +224,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from guarduq.calibration.evaluation import summarize
 
     C = _parse_C(args.C)
+    _review_settings(args)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
     if args.cascade_on is not None:
         return _cmd_cascade(args, C, alphas)
@@ -313,6 +324,28 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )
     _emit(args, payload, evaluation, header)
     return 0
+
+
+def _review_settings(args: argparse.Namespace) -> None:
+    """Fill --alpha, --test-fraction and --threshold-fraction from --policy (reviews only), else
+    the defaults. One setting: a flag that disagrees with the policy's review section is refused."""
+    review = None
+    if args.policy is not None:
+        if REVIEWS not in args.dataset:
+            raise InputError("--policy goes with --dataset reviews (its review section sets the split)")
+        from guarduq.policy import Policy
+
+        policy = Policy.from_yaml(args.policy)
+        review = policy.config.review
+        if not args.alpha and policy.alpha is not None:
+            args.alpha = [policy.alpha]
+    for name, default in DEFAULT_FRACTIONS.items():
+        given, setting = getattr(args, name), getattr(review, name, None)
+        if given is not None and setting is not None and not math.isclose(given, setting):
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} {given:g} disagrees with {args.policy}'s review.{name} {setting:g}, "
+                             f"which the review page counts with: drop {flag} or edit the policy")
+        setattr(args, name, next(v for v in (given, setting, default) if v is not None))
 
 
 def _apply_rule(rule: str, fit: Sequence[Any], C: float | str) -> tuple[str, ...]:

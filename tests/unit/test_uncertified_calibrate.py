@@ -142,3 +142,24 @@ def test_the_reviews_export_is_private_under_the_work_folder(
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     outside = [p for p in (tmp_path / "work").rglob("*") if p.is_file() and folder not in p.parents]
     assert not [p for p in outside if "Maybe." in p.read_text()]  # no text outside the private folder
+
+
+def test_calibrate_splits_as_the_policy_review_section_says(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One setting: `calibrate --policy` takes review.threshold_fraction (the fraction the review
+    page counts with) and review.test_fraction, and refuses a flag that disagrees."""
+    url, _, _ = store_of(tmp_path / "s.db", 30, 0.5)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("name: p\nversion: 1\ncalibrator: c.json\nalpha: 0.6\nreview: {rate: 1.0, keep_text: true, "
+                      "threshold_fraction: 0.2, test_fraction: 0.2}\nrules:\n  - {name: all, action: allow}\n")
+    out = tmp_path / "c.json"
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+            "--policy", str(policy), "--work", str(tmp_path / "work"), "--no-progress", "--json",
+            "--out", str(out), "--allow-uncertified"]
+    assert main(argv) == 0, capsys.readouterr().err
+    res = json.loads(capsys.readouterr().out)
+    assert [t["alpha"] for t in res["thresholds"]] == [0.6]  # the policy's alpha
+    assert json.loads(out.read_text())["split"] == FRACTIONS
+    assert main([*argv, "--threshold-fraction", "0.3"]) == 2
+    assert "--threshold-fraction 0.3 disagrees" in capsys.readouterr().err
