@@ -139,8 +139,8 @@ def uncertified_reason(
     need = labels_needed(alpha, delta, threshold_fraction, rate)
     if need is None:
         return (f"alpha={alpha:g}: the threshold split is wrong {rate:.0%} of the time, at or above "
-                f"alpha, so no number of labels can certify it at this error rate; only a risk model "
-                f"that sets apart answers with fewer errors can (or a larger alpha)")
+                "alpha, so no number of labels can certify it at this error rate (only a risk model "
+                "that sets apart answers with fewer errors can)")
     if n_labels < need:
         return (f"alpha={alpha:g}: about {need - n_labels} more {unit} needed ({need} in all at the "
                 f"observed error rate {rate:.0%}, delta={delta:g}; there are {n_labels})")
