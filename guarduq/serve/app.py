@@ -7,7 +7,7 @@ Prompts and replies reach no log line and no metric label; the audit log stores 
 the policy says ``audit: {log_text: true}``. ``POST /admin/reload`` (and SIGHUP, ``--watch``: see
 ``serve/reload.py``) swaps the policy and calibrator between requests.
 
-This module wires the parts together; the routes live by what they serve: ``openai.py`` (/v1),
+This module wires the parts together; the routes live by what they serve: ``v1.py`` (/v1),
 ``ops.py`` (health, readiness, metrics, reload), ``replies.py`` (completion bodies and SSE),
 ``security.py`` (keys per door, this machine only without a key), ``context.py`` (``Settings``
 and what every route shares).
@@ -34,11 +34,11 @@ from guarduq.serve import tracing
 from guarduq.serve.context import Json, Server, Settings, error_response
 from guarduq.serve.engine import Engine, Job
 from guarduq.serve.metrics import ServerMetrics
-from guarduq.serve.openai import add_openai_routes
 from guarduq.serve.ops import add_ops_routes
 from guarduq.serve.reload import Reloader, install_sighup
 from guarduq.serve.schema import ApiError
 from guarduq.serve.security import LoopbackOnly
+from guarduq.serve.v1 import add_openai_routes
 
 __all__ = ["Settings", "create_app"]
 
