@@ -191,6 +191,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                                     allow_unauthenticated_remote=args.allow_unauthenticated_remote),
                      alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None,
                      fraction_of=lambda: review_fraction(guard.policy))
+    from guarduq.serve.reload import uncertified
+
+    if (problem := uncertified(guard.decider)) is not None:  # a reload of this pair would be refused
+        print(f"guarduq: WARNING: {problem}", file=sys.stderr, flush=True)
     print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
           f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
           f"auth={'on' if keys else 'off'}  reload=SIGHUP{', --watch' if args.watch else ''}"
