@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from guarduq._logging import get_logger
+from guarduq._storage import private_file
 from guarduq.calibration.datasets import Dataset
 from guarduq.calibration.sizing import MIN_PER_CLASS, labels_needed
 from guarduq.calibration.splits import split_of
@@ -37,8 +38,9 @@ REVIEWS = "reviews"
 
 
 def review_data_file(args: argparse.Namespace) -> Path:
-    """The store's labelled reviews, exported once to ``runs/reviews/`` (named by content, so
-    the scoring cache is reused while the labels are unchanged)."""
+    """The store's labelled reviews, exported once to ``WORK/reviews/`` (``--work``, default
+    ``./runs``; named by content, so the scoring cache is reused while the labels are unchanged).
+    The file holds prompt and reply text: it is written 0600 in a 0700 folder."""
     from guarduq.store import Store
 
     if not args.store:
@@ -60,9 +62,9 @@ def review_data_file(args: argparse.Namespace) -> Path:
         )
     text = buf.getvalue().encode()
     path = Path(args.runs_dir) / REVIEWS / f"reviews-{hashlib.sha256(text).hexdigest()[:16]}.jsonl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+    private_file(path)  # prompt and reply text: owner only (0600, in a 0700 folder)
+    if path.stat().st_size != len(text):
+        tmp = private_file(path.with_suffix(f".tmp{os.getpid()}"))
         tmp.write_bytes(text)
         os.replace(tmp, path)
     return path

@@ -361,7 +361,7 @@ def test_cli_refuses_another_models_calibrator(tmp_path: Path, tiny_model_dir: P
     common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
     cal = tmp_path / "cal.json"
     assert main(["calibrate", "--model", str(tiny_model_dir), *common, "--out", str(cal), "--json",
-                 "--test-fraction", "0.25", "--threshold-fraction", "0.25"]) == 0
+                 "--test-fraction", "0.25", "--threshold-fraction", "0.25", "--allow-uncertified"]) == 0
     n_test = json.loads(capsys.readouterr().out)["split_sizes"]["test"]
     # --split test re-uses the calibrator's own split fractions, so it sees exactly its test items.
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(tiny_model_dir), *common, "--json",
@@ -410,4 +410,4 @@ def test_cli_malformed_data_needs_the_flag(tmp_path: Path, tiny_model_dir: Path,
               "--test-fraction", "0.25", "--threshold-fraction", "0.25"]
     assert main(["calibrate", *common]) == 2
     assert "line 6: malformed JSON" in capsys.readouterr().err
-    assert main(["calibrate", *common, "--skip-malformed"]) == 0
+    assert main(["calibrate", *common, "--skip-malformed", "--allow-uncertified"]) == 0
