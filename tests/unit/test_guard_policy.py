@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
