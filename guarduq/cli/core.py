@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from tqdm.auto import tqdm
 
+from guarduq.aliases import DEFAULT_MODEL
 from guarduq.cli._help import with_example
 from guarduq.cli._run import (
     open_guard,
@@ -23,7 +24,6 @@ from guarduq.cli._run import (
     threads_arg,
 )
 from guarduq.errors import DatasetError, InputError
-from guarduq.models import DEFAULT_MODEL
 
 # Easy facts, common misconceptions and unanswerable questions: the three kinds of prompt a
 # guardrail must tell apart.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq._http import is_loopback
+from guarduq.aliases import DEFAULT_MODEL
 from guarduq.cli._help import with_example
 from guarduq.cli._run import (
     check_sve_file,
@@ -20,7 +21,6 @@ from guarduq.cli._run import (
     threads_arg,
 )
 from guarduq.errors import GuardUQError, InputError
-from guarduq.models import DEFAULT_MODEL
 
 
 def register(sub: argparse._SubParsersAction) -> None:

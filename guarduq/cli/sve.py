@@ -21,13 +21,13 @@ from typing import Any
 
 from guarduq._logging import get_logger
 from guarduq._storage import check_writable
+from guarduq.aliases import DEFAULT_MODEL
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Item, load_dataset
 from guarduq.calibration.splits import limit_subset, outside_limits
 from guarduq.cli._help import with_example
 from guarduq.cli._run import dataset_limits, threads_arg
 from guarduq.errors import DatasetError, InputError
 from guarduq.layout import PromptLike, has_chat_template
-from guarduq.models import DEFAULT_MODEL, load_model
 from guarduq.sve import KNOWN_TARGETS, SVEnsemble, validate_settings
 
 log = get_logger("cli.sve")
@@ -136,6 +136,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         label_words = SST2_LABEL_WORDS
     else:
         _qa_items(args, "instruct")  # bad files and limits fail before the model loads
+    from guarduq.models import load_model  # torch: only when a model is needed
+
     loaded = load_model(args.model)
     if label_words is None:
         style = args.prompt_style if args.prompt_style != "auto" else (
