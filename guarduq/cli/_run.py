@@ -128,6 +128,32 @@ def open_scorer(args: argparse.Namespace, model_spec: str) -> tuple[Any, bool]:
     return guard, has_chat_template(guard.tokenizer)
 
 
+def model_of(model: str | None, *, calibrator: Path | None = None, policy: Path | None = None) -> str:
+    """``--model`` when given; else the model the calibrator (``--calibrator``, or the policy's)
+    records that it was fitted for (where it was loaded from, or its alias); else the default model.
+
+    So a calibrator fitted for another model needs no second ``--model``; one that records
+    neither a source nor an alias falls back to the default, whose fingerprint it then refuses,
+    naming both models.
+    """
+    if model:
+        return model
+    from guarduq.aliases import ALIASES, DEFAULT_MODEL
+
+    if calibrator is None and policy is not None and Path(policy).is_file():
+        from guarduq.policy import Policy
+
+        calibrator = Policy.from_yaml(policy).calibrator_path
+    if calibrator is None or not Path(calibrator).is_file():
+        return DEFAULT_MODEL
+    from guarduq.calibration._artifact import read_artifact
+
+    recorded = read_artifact(Path(calibrator))[0].model
+    if recorded.source:
+        return recorded.source
+    return recorded.name if recorded.name in ALIASES else DEFAULT_MODEL
+
+
 def dataset_limits(specs: Sequence[str], names: Sequence[str], option: str = "--limit") -> dict[str, int]:
     """``--limit``-style values as {dataset: N}, with "" for the one that applies to every other dataset."""
     out: dict[str, int] = {}

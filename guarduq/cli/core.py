@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from guarduq.aliases import DEFAULT_MODEL
 from guarduq.cli._help import with_example
 from guarduq.cli._run import (
+    model_of,
     open_guard,
     open_scorer,
     parameter_kwargs,
@@ -86,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     d = sub.add_parser("demo", help="answer a few prompts with the default model and show scores",
                        **with_example("guarduq demo --policy policies/default.yaml"))
-    d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--model", help=f"default: the model the policy's calibrator was fitted for, else {DEFAULT_MODEL}")
     d.add_argument("--max-new-tokens", type=int, default=40)
     d.add_argument("--policy", type=Path, help="apply a YAML policy (e.g. policies/default.yaml)")
     threads_arg(d)
@@ -185,7 +186,7 @@ def _print_human(row: dict[str, Any]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    guard = open_guard(args.model, sve=args.sve, policy=args.policy)
+    guard = open_guard(model_of(args.model, policy=args.policy), sve=args.sve, policy=args.policy)
     if guard.policy is not None:
         print(f"policy {guard.policy.name} v{guard.policy.version} ({args.policy})")
     print(f"model {guard.info.name}  fingerprint {guard.info.fingerprint}  "

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.cli._help import with_example
-from guarduq.cli._run import open_guard, sve_arg, threads_arg
+from guarduq.cli._run import model_of, open_guard, sve_arg, threads_arg
 from guarduq.policy import Policy, validate_policy_text
 from guarduq.policy.certified import ThresholdReport, check_policy_thresholds
 
@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("file", type=Path, metavar="FILE")
     e.add_argument("--prompt", required=True)
     e.add_argument("--response", help="score this response instead of generating one")
-    e.add_argument("--model", help="alias, folder, hub id or .gguf (default: the default model)")
+    e.add_argument("--model", help="alias, folder, hub id or .gguf (default: the model the calibrator was "
+                                   "fitted for, else the default model)")
     e.add_argument("--calibrator", type=Path, help="override the policy's calibrator path")
     threads_arg(e)
     sve_arg(e)
@@ -186,10 +187,8 @@ def _calibrator_note(policy: Policy) -> str:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    from guarduq.models import DEFAULT_MODEL
-
     guard = open_guard(  # torch is imported only when a model is needed
-        args.model or DEFAULT_MODEL,
+        model_of(args.model, calibrator=args.calibrator, policy=args.file),
         sve=args.sve,
         policy=args.file,
         calibrator=args.calibrator,

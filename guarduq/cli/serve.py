@@ -14,6 +14,7 @@ from guarduq.aliases import DEFAULT_MODEL
 from guarduq.cli._help import with_example
 from guarduq.cli._run import (
     check_sve_file,
+    model_of,
     open_guard,
     parameter_kwargs,
     parameter_set_arg,
@@ -27,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible chat-completions server with a policy",
                        **with_example("guarduq serve --model smollm2-135m-instruct --policy policies/default.yaml "
                                       "--audit audit.jsonl --port 8000"))
-    p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    p.add_argument("--model", help="alias, folder, hub id or .gguf (default: the model the calibrator "
+                                   f"was fitted for, else {DEFAULT_MODEL})")
     threads_arg(p)
     parameter_set_arg(p)
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
@@ -170,6 +172,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from guarduq.store import Store
 
         store = Store(args.store)  # a bad URL or an unreachable database fails before the model loads
+    args.model = model_of(args.model, calibrator=args.calibrator, policy=args.policy)
     guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
                        audit=args.audit, store=store, **parameter_kwargs(args.parameter_set))
     features = guard.calibrator.features if guard.calibrator is not None else ()

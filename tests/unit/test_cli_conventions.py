@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +130,27 @@ def test_threads_sets_torchs_threads_and_refuses_zero(model_dir, capsys):
     capsys.readouterr()
     assert main(["score", "--model", model_dir, "--prompt", "Hi", "--response", "Yo", "--threads", "0"]) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+
+
+def test_a_calibrator_names_the_model_to_load(tmp_path):
+    """serve, demo and policy explain load the model a calibrator was fitted for, without --model."""
+    from guarduq.aliases import DEFAULT_MODEL
+    from guarduq.calibration import Calibrator
+    from guarduq.cli._run import model_of
+
+    def saved(name: str, **kw: str) -> Path:
+        cal = Calibrator("paper", model_name=name, model_fingerprint="f" * 32, **kw)
+        cal.fit([{"epistemic": float(e), "aleatoric": 0.1 + e / 100} for e in range(1, 41)], [i % 2 for i in range(40)])
+        path = tmp_path / f"{name}.json"
+        cal.save(path)
+        return path
+
+    gguf = saved("my-model", model_source="/models/my-model.gguf")
+    assert model_of(None, calibrator=gguf) == "/models/my-model.gguf"
+    assert model_of("explicit", calibrator=gguf) == "explicit"
+    policy = tmp_path / "p.yaml"
+    policy.write_text(f"name: p\nversion: 2\ncalibrator: {saved('qwen2.5-coder-1.5b-instruct').name}\nalpha: 0.3\n"
+                      "rules:\n  - name: all\n    action: allow\n")
+    assert model_of(None, policy=policy) == "qwen2.5-coder-1.5b-instruct"  # an alias, recorded by name
+    assert model_of(None, calibrator=saved("some-gguf-stem")) == DEFAULT_MODEL  # neither: the default
+    assert model_of(None) == DEFAULT_MODEL
