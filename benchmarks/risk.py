@@ -101,6 +101,19 @@ def group_of(item_id: str) -> str:
     return f"truthfulqa:{raw}" if ds.startswith("truthfulqa-") else item_id
 
 
+def labelled(records: list[Any]) -> Labelled:
+    """(score dicts, labels with 1 = correct) of cached records."""
+    return [r.scores for r in records], np.array([int(r.label) for r in records], int)
+
+
+def parts(records: list[Any]) -> dict[str, Labelled]:
+    """The records' fit, threshold and test splits (guarduq's id-hash splits, by question)."""
+    out: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
+    for r in records:
+        out[split_of(group_of(r.id))].append(r)
+    return {k: labelled(v) for k, v in out.items()}
+
+
 def load_cache(path: Path) -> list[Any]:
     """Usable records of one cache, read from a private copy (the original may be growing).
 
@@ -179,15 +192,6 @@ def analyse_model(model: str, records: list[Any], n_boot: int, out_dir: Path,
     for r in recs:
         by_ds[r.dataset].append(r)
     datasets = sorted(by_ds)
-
-    def labelled(rs: list[Any]) -> Labelled:
-        return [r.scores for r in rs], np.array([int(r.label) for r in rs], int)
-
-    def parts(rs: list[Any]) -> dict[str, Labelled]:
-        out: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-        for r in rs:
-            out[split_of(group_of(r.id))].append(r)
-        return {k: labelled(v) for k, v in out.items()}
 
     lines += [
         f"## {model}",

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pages import write_page  # noqa: E402
-from risk import group_of, load_cache  # noqa: E402
+from risk import labelled, load_cache, parts  # noqa: E402
 
 from guarduq.calibration.analysis import (  # noqa: E402
     Candidate,
@@ -50,7 +50,6 @@ from guarduq.calibration.analysis import (  # noqa: E402
     single_signals,
 )
 from guarduq.calibration.features import GRAD_PROFILE, LIKELIHOOD  # noqa: E402
-from guarduq.calibration.splits import split_of  # noqa: E402
 
 ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 DELTA = 0.1
@@ -63,18 +62,6 @@ SETS = {
     "same-pass": ("log_epistemic", *NO_GRAD, *GRAD_PROFILE),
 }
 RISK_SET = "same-pass"  # the shipped calibrators' set
-Labelled = tuple[list[dict[str, Any]], np.ndarray]
-
-
-def _labelled(recs: list[Any]) -> Labelled:
-    return [r.scores for r in recs], np.array([int(r.label) for r in recs], int)
-
-
-def _splits(recs: list[Any]) -> dict[str, Labelled]:
-    out: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    for r in recs:
-        out[split_of(group_of(r.id))].append(r)
-    return {k: _labelled(v) for k, v in out.items()}
 
 
 def _strictest(guarantees: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -91,18 +78,18 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
     res: dict[str, Any] = {"model": model, "n": len(records), "datasets": {}, "pooled": {}}
     n_params = {r.scores.get("n_params") for r in records if r.scores.get("n_params")}
     res["n_params"] = max(n_params) if n_params else None
-    cells = {d: _splits(rs) for d, rs in sorted(by_ds.items())}
-    cells["pooled"] = _splits(records)
-    for d, parts in cells.items():
-        test_scores, y = parts["test"]
+    cells = {d: parts(rs) for d, rs in sorted(by_ds.items())}
+    cells["pooled"] = parts(records)
+    for d, split in cells.items():
+        test_scores, y = split["test"]
         wrong = 1 - y
         cell: dict[str, Any] = {
-            "n": int(sum(len(p[1]) for p in parts.values())), "n_test": int(y.size),
-            "accuracy": float(np.mean(np.concatenate([p[1] for p in parts.values()]))),
+            "n": int(sum(len(p[1]) for p in split.values())), "n_test": int(y.size),
+            "accuracy": float(np.mean(np.concatenate([p[1] for p in split.values()]))),
             "singles": {k: bootstrap_auroc(wrong, v, n_boot=n_boot)
                         for k, v in single_signals(test_scores, SIGNALS).items()},
         }
-        fits = {name: fit_and_test(feats, parts["fit"], parts["test"], threshold=parts["threshold"],
+        fits = {name: fit_and_test(feats, split["fit"], split["test"], threshold=split["threshold"],
                                    alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
                 for name, feats in SETS.items()}
         cell["risk"] = {name: {"auroc": (m.get("auroc"), *m.get("ci", (None, None))), "ece": m.get("ece"),
@@ -124,7 +111,7 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
         else:
             res["datasets"][d] = cell
     if len(by_ds) >= 3:
-        lodo = leave_one_dataset_out({d: _labelled(rs) for d, rs in by_ds.items()},
+        lodo = leave_one_dataset_out({d: labelled(rs) for d, rs in by_ds.items()},
                                      [Candidate(RISK_SET, SETS[RISK_SET])], SIGNALS, n_boot=0)
         res["lodo"] = {d: {"risk": lodo.rows[d][RISK_SET].get("auroc"), **lodo.singles[d]} for d in lodo.rows}
     return res
