@@ -50,7 +50,8 @@ from guarduq.calibration.splits import (  # noqa: F401  (re-exported: imports fr
     hash_unit,
     outside_limits,
 )
-from guarduq.errors import DatasetError, InputError
+from guarduq.errors import DatasetError, InputError, StoreInputError
+from guarduq.sampling import Sample
 
 log = get_logger("datasets")
 
@@ -349,26 +350,12 @@ def _messages(prompt: list[Any]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def _sample(value: Any) -> dict[str, Any]:
-    """A reviewed reply's sampling record: uniform draw, rate and inclusion probabilities."""
-    if not isinstance(value, dict):
-        raise _RowError("field 'guarduq_sample' must be an object")
-    if not isinstance(value.get("uniform"), bool):
-        raise _RowError("field 'guarduq_sample.uniform' must be true or false")
+def _sample(value: Any) -> Sample:
+    """A reviewed reply's sampling record (``Sample.from_json``), else a row error."""
     try:
-        out = {
-            "uniform": value["uniform"],
-            "rate": float(value["rate"]),
-            "extra_probability": float(value["extra_probability"]),
-            "inclusion_probability": float(value["inclusion_probability"]),
-            "reasons": [str(r) for r in value.get("reasons", ())],
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _RowError(f"field 'guarduq_sample' is incomplete or malformed: {exc}") from None
-    if not (0 <= out["rate"] <= 1 and 0 <= out["extra_probability"] <= 1
-            and 0 < out["inclusion_probability"] <= 1):
-        raise _RowError("field 'guarduq_sample' holds probabilities outside [0, 1]")
-    return out
+        return Sample.from_json(value)
+    except StoreInputError as exc:
+        raise _RowError(f"field 'guarduq_sample': {exc}") from None
 
 
 class Reviews(LabelledJSONL):

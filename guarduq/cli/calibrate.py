@@ -30,6 +30,14 @@ from guarduq.calibration.analysis import FEATURE_RULES, available, select_featur
 from guarduq.calibration.cascade import DEFAULT_SHARE
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES
 from guarduq.calibration.features import SVE, forward_equivalents
+from guarduq.calibration.reviews import (
+    REVIEWS,
+    check_review_size,
+    review_parts,
+    uniform_only,
+    uniform_reference,
+    weights_summary,
+)
 from guarduq.cli._cascade import _cmd_cascade
 from guarduq.cli._help import with_example
 from guarduq.cli._run import run_args
@@ -42,14 +50,7 @@ from guarduq.cli._scoring import (
     _sve_shape,
     _xy,
 )
-from guarduq.cli.reviews import (
-    REVIEWS,
-    check_review_size,
-    review_parts,
-    uniform_only,
-    uniform_reference,
-    weights_summary,
-)
+from guarduq.cli.calibrate_reviews import review_progress
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -231,7 +232,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
     weights = None
     if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
-        parts, weights, n_uniform = review_parts(ok, datasets, fractions, getattr(args, "review_progress", None))
+        parts, weights, n_uniform = review_parts(ok, datasets, fractions, review_progress(args.store))
         check_review_size(parts, n_uniform, alphas, args.delta, fractions)
     else:
         split = _splitter(datasets, fractions)

@@ -354,20 +354,13 @@ class Store:
         """
         n = 0
         for r in self.labelled(since=since):
-            s = r.sample
             line = {
                 "id": r.request_id,
                 "prompt": r.prompt,
                 "response": r.response,
                 "label": r.correct,
                 "ended": r.ended,
-                "guarduq_sample": {
-                    "uniform": s.uniform,
-                    "rate": s.rate,
-                    "extra_probability": s.extra_probability,
-                    "inclusion_probability": s.inclusion_probability,
-                    "reasons": list(s.reasons),
-                },
+                "guarduq_sample": r.sample.to_json(),
             }
             out.write(json.dumps(line, ensure_ascii=False, allow_nan=False) + "\n")
             n += 1

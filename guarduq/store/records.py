@@ -7,7 +7,8 @@ Three kinds of row:
   fingerprint, policy and calibrator identity, scores, risk, decision. Its text (prompt, reply,
   token pieces and probabilities) is kept only where the policy opts in: ``audit.log_text`` for
   every reply, ``review.keep_text`` for sampled ones.
-- a review item per sampled reply: the ``Sample`` that chose it (why, and with what probability).
+- a review item per sampled reply: the ``Sample`` that chose it (why, and with what probability;
+  defined in ``guarduq.sampling``, re-exported here).
 - any number of ``LabelRecord`` per review item (the history); the most recent one counts.
 """
 
@@ -17,32 +18,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from guarduq.sampling import Sample
+
 Label = Literal["right", "wrong", "unsure"]
 LABELS: tuple[str, ...] = ("right", "wrong", "unsure")
 Reason = Literal["escalation", "uniform", "band"]
 REASONS: tuple[str, ...] = ("escalation", "uniform", "band")
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Whether a reply goes to review, and the probabilities calibration needs to reweight it.
-
-    ``uniform``: the uniform draw (probability ``rate``, independent of everything about the
-    reply) fired; the replies it picks are a simple random sample of traffic, the only part a
-    certificate may rest on. ``extra_probability``: the probability that a reason other than the
-    uniform draw picks this reply (1.0 for an escalation, a band's rate, else 0.0).
-    ``inclusion_probability`` = P(picked for any reason) = 1 - (1 - rate)(1 - extra_probability).
-    """
-
-    reasons: tuple[str, ...]
-    uniform: bool
-    rate: float
-    extra_probability: float
-    inclusion_probability: float
-
-    @property
-    def sampled(self) -> bool:
-        return bool(self.reasons)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 from guarduq.calibration.datasets import load_dataset
 from guarduq.errors import InputError, StoreError, StoreInputError, UnknownItemError
 from guarduq.store import Store
-from guarduq.store.records import PREVIEW_CHARS, ReviewItem
+from guarduq.store.records import PREVIEW_CHARS, ReviewItem, Sample
 from tests.store.support import (
     BAND,
     ESCALATION,
@@ -333,7 +333,7 @@ def test_export_jsonl_loads_as_a_dataset(store: Store, tmp_path: Path) -> None:
         assert three.prompt == chat
         # the loader keeps the sampling record and ended
         assert one.meta["ended"] is False and two.meta["ended"] is True
-        assert one.meta["sample"]["inclusion_probability"] == 1.0
+        assert one.meta["sample"] == Sample(("escalation",), False, 0.1, 1.0, 1.0)
     assert store.export_jsonl(io.StringIO(), since=T0 + timedelta(minutes=2)) == 2
 
 

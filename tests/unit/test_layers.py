@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "guarduq"
-LOWER = {"models", "layout", "scoring", "sve", "calibration", "errors", "_logging", "_version"}
+LOWER = {"models", "layout", "scoring", "sve", "calibration", "errors", "_logging", "_version", "sampling"}
 UPPER = {"policy", "store", "decider", "traffic", "guard", "cli", "integrations", "serve", "review", "__main__"}
 # The decisions layer: policy and store sit side by side, below what orchestrates and what faces.
 ABOVE_DECISIONS = {"decider", "traffic", "guard", "cli", "integrations", "serve", "review", "__main__"}
