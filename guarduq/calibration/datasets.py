@@ -307,8 +307,9 @@ class SST2(Dataset):
 
 class LabelledJSONL(Dataset):
     """Already-labelled logs: ``prompt`` (a string or chat messages), ``response``, ``label``
-    (1/true = correct); optional ``id``, ``ended`` (default true: the model closed its turn) and
-    ``guarduq_sample`` (how a reviewed reply was sampled, kept in ``Item.meta``)."""
+    (1/true = correct); optional ``id``, ``ended`` (default true: the model closed its turn),
+    ``group`` (its kind of traffic) and ``guarduq_sample`` (how a reviewed reply was sampled); the
+    last three are kept in ``Item.meta``."""
 
     name = "jsonl"
     kind = "labelled"
@@ -327,6 +328,11 @@ class LabelledJSONL(Dataset):
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
         raw_id = str(row.get("id") or _content_id(text, response))
         meta: dict[str, Any] = {"ended": ended}
+        group = row.get("group")
+        if group is not None:
+            if not isinstance(group, str) or not group:
+                raise _RowError(f"field 'group' must be a non-empty string, got {group!r}")
+            meta["group"] = group  # the traffic group (calibrate --dataset reviews certifies per group)
         if "guarduq_sample" in row:
             meta["sample"] = _sample(row["guarduq_sample"])
             if self.name == "jsonl" and not getattr(self, "_warned_sample", False):

@@ -32,6 +32,7 @@ class Filters:
     risk_max: float | None = None  # risk <= risk_max
     labelled: bool | None = None  # True: at least one label; False: none yet
     label: str | None = None  # the current label is this one (one of LABELS)
+    group: str | None = None  # the reply's traffic group is this one
 
     def __post_init__(self) -> None:
         if self.reason is not None and self.reason not in REASONS:
@@ -96,6 +97,8 @@ class Joined:
             conds.append(self.unlabelled)
         if f.label is not None:
             conds.append(self.cur.c.label == f.label)
+        if f.group is not None:
+            conds.append(REPLIES.c.group_name == f.group)
         return conds
 
     def rows(self, f: Filters) -> Select[Any]:
@@ -112,6 +115,7 @@ class Joined:
                 self.cur.c.label,
                 self.agg.c.n_labels,
                 func.substr(REPLIES.c.response, 1, PREVIEW_READ + 1).label("preview"),
+                REPLIES.c.group_name,
             )
             .select_from(self.source)
             .where(*self.where(f))
@@ -136,8 +140,8 @@ class Joined:
         )
 
 
-def progress_query(j: Joined) -> Select[Any]:
-    """Counts over all review items in one pass (see ``Store.progress``)."""
+def progress_query(j: Joined, group: str | None = None) -> Select[Any]:
+    """Counts over all review items (of one traffic ``group``) in one pass (see ``Store.progress``)."""
     label = j.cur.c.label
     decided = label.in_(("right", "wrong"))
     uniform = ITEMS.c.uniform.is_(True)
@@ -157,4 +161,5 @@ def progress_query(j: Joined) -> Select[Any]:
         n(ITEMS.c.reasons.like("%escalation%")).label("escalation"),
         n(uniform).label("uniform"),
         n(ITEMS.c.reasons.like("%band%")).label("band"),
-    ).select_from(j.source)
+        n(ITEMS.c.reasons.like("%drift%")).label("drift"),
+    ).select_from(j.source).where(*j.where(Filters(group=group)))

@@ -22,8 +22,8 @@ from guarduq.sampling import Sample
 
 Label = Literal["right", "wrong", "unsure"]
 LABELS: tuple[str, ...] = ("right", "wrong", "unsure")
-Reason = Literal["escalation", "uniform", "band"]
-REASONS: tuple[str, ...] = ("escalation", "uniform", "band")
+Reason = Literal["escalation", "uniform", "band", "drift"]
+REASONS: tuple[str, ...] = ("escalation", "uniform", "band", "drift")
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class ReplyRecord:
     tokens: list[str] | None = None  # the reply's token pieces, for shading by probability
     token_probs: list[float] | None = None
     ended: bool = True
+    group: str | None = None  # the kind of traffic whose certificate decided it (None: pooled)
+    drift: str | None = None  # the drift case in force: ok, slice:<group>, unseen (None: no monitor)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class LabelledReview:
     sample: Sample
     model_fingerprint: str | None
     scores: dict[str, Any]
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class QueueRow:
     label: str | None
     n_labels: int
     preview: str | None
+    group: str | None = None
 
 
 PREVIEW_CHARS = 120

@@ -268,7 +268,7 @@ def test_next_unlabelled_walks_the_queue(store: Store) -> None:
 def test_progress(store: Store) -> None:
     assert store.progress() == {
         "replies": 0, "items": 0, "unlabelled": 0, "labelled": 0, "right": 0, "wrong": 0, "unsure": 0,
-        "labelled_uniform": 0, "wrong_uniform": 0, "by_reason": {"escalation": 0, "uniform": 0, "band": 0},
+        "labelled_uniform": 0, "wrong_uniform": 0, "by_reason": {"escalation": 0, "uniform": 0, "band": 0, "drift": 0},
     }
     fill(store)
     store.record(reply(20), ESCALATION_UNIFORM)
@@ -281,7 +281,7 @@ def test_progress(store: Store) -> None:
     p = store.progress()
     assert p == {
         "replies": 15, "items": 13, "unlabelled": 8, "labelled": 4, "right": 2, "wrong": 2, "unsure": 1,
-        "labelled_uniform": 3, "wrong_uniform": 2, "by_reason": {"escalation": 5, "uniform": 5, "band": 4},
+        "labelled_uniform": 3, "wrong_uniform": 2, "by_reason": {"escalation": 5, "uniform": 5, "band": 4, "drift": 0},
     }
 
 
