@@ -37,6 +37,7 @@ from guarduq.models import (
 )
 from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
+from guarduq.policy.context import InForce, current_group, in_force
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
 from guarduq.scoring.uncertainty import CHECKPOINT_TOKENS, GradientScorer, Scores, model_lock
@@ -64,6 +65,7 @@ class GuardedResponse:
     risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
     decision: Decision | None = None  # what the policy decided, when the Guard has one
     decided_by: Identity | None = None  # the policy/calibrator pair that decided it
+    in_force: InForce | None = None  # its traffic group, the drift case, which certificate decided
 
     @property
     def shown_text(self) -> str:
@@ -86,6 +88,7 @@ class GuardedResponse:
             "risk": self.risk,
             "decision": self.decision.to_dict() if self.decision is not None else None,
             **(self.decided_by or Identity()).to_dict(),  # policy, policy_sha256, calibrator_sha256
+            "in_force": self.in_force.to_dict() if self.in_force is not None else None,
             "timings": dict(self.timings),
         }
 
@@ -177,6 +180,7 @@ class Guard:
         ))
         self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
         self.traffic = Traffic.open(store, self.policy) if store is not None else None
+        self.drift: Any = None  # a DriftMonitor whose case the policy's on_drift acts on (serve sets it)
         self.raise_on_abstain = raise_on_abstain
 
     def reload(self, policy: Policy | str | os.PathLike[str] | None = None,
@@ -446,16 +450,20 @@ class Guard:
         pair = self.decider  # read once: a reload never pairs an old policy with a new calibrator
         policy, calibrator = pair.policy, pair.calibrator
         calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator))
+        case = self.drift.case() if self.drift is not None else None
+        ctx = in_force(policy, calibrator, current_group(), case.label if case is not None else None)
         decision = None
         if policy is not None and not r.scores.valid:
             decision = policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
         elif policy is not None:
             decision = policy.decide(
-                make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
+                make_signals(r.scores, **calibrated, **ctx.signals()), prompt=r.prompt, response=r.text,
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint, ended=r.ended,
+                override=ctx.rule, override_reason=ctx.reason,
             )
         timings = {**r.timings, "decide_s": time.perf_counter() - t0}
-        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings, decided_by=pair.identity)
+        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings, decided_by=pair.identity,
+                    in_force=ctx)
         if self.audit is not None:
             self.audit.append(make_record(
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint,
@@ -464,7 +472,7 @@ class Guard:
                 scores=r.scores.to_dict(with_token_probs=False), risk=r.risk,
                 decision=decision.to_dict() if decision else None,
                 latency_s=sum(timings.values()), prompt=r.prompt, response=r.text,
-                log_text=bool(policy and policy.log_text),
+                log_text=bool(policy and policy.log_text), in_force=ctx.to_dict(),
             ))
         if self.traffic is not None:
             self.traffic.record(r, policy=policy, calibrator_sha256=calibrator.sha256 if calibrator

@@ -153,9 +153,16 @@ class ReviewSampler:
             return 0.0
         return max((r for low, high, r in self.bands if low <= risk <= high), default=0.0)
 
-    def draw(self, risk: float | None, escalated: bool) -> Sample:
-        """Whether this reply goes to review, why, and with what probability."""
-        extra = self.extra_probability(risk, escalated)
+    def draw(self, risk: float | None, escalated: bool, drift_rate: float = 0.0) -> Sample:
+        """Whether this reply goes to review, why, and with what probability.
+
+        ``drift_rate``: while a policy's drift action raises review (``on_drift``), the extra
+        draw's probability is at least this. It is an extra draw, not the uniform one, so the
+        uniform sample stays one simple random sample of traffic (the certificate's), and the
+        drift window's replies reach the fit split with their own weights."""
+        band = self.extra_probability(risk, escalated)
+        drift = _probability(drift_rate, "drift review rate")
+        extra = max(band, drift)
         with self._lock:  # always two draws, so the stream does not depend on the reply
             u, b = self._rng.random(2)
         uniform = bool(u < self.rate)
@@ -166,7 +173,7 @@ class ReviewSampler:
         if uniform:
             reasons.append("uniform")
         if picked_extra and "escalation" not in reasons:
-            reasons.append("band")
+            reasons.append("drift" if drift > band else "band")
         return Sample(
             reasons=tuple(reasons),
             uniform=uniform,

@@ -90,7 +90,9 @@ class Traffic:
             s = self.settings = _settings(policy)
         d = r.decision
         escalated = d is not None and d.action == "escalate"
-        sample = s.sampler.draw(r.risk, escalated) if s.sampler is not None else None
+        ctx = getattr(r, "in_force", None)  # a drift action may raise review (policy on_drift)
+        rate = ctx.review_rate if ctx is not None else 0.0
+        sample = s.sampler.draw(r.risk, escalated, drift_rate=rate) if s.sampler is not None else None
         keep = s.log_text or (s.keep_text and sample is not None and sample.sampled)
         pieces = _pieces(tokens, r.request_id) if keep else None
         try:
@@ -162,6 +164,8 @@ def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, pieces: li
         tokens=pieces,
         token_probs=[float(p) for p in r.scores.token_probs] if keep else None,
         ended=r.ended,
+        group=getattr(r.in_force, "group", None),
+        drift=getattr(r.in_force, "drift", None),
     )
     return reply, sample
 

@@ -132,6 +132,7 @@ class Calibrator:
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.thresholds_: list[Threshold] = []
+        self.group_thresholds_: dict[str, list[Threshold]] = {}  # per traffic group (groups.py)
         self.metrics_: dict[str, Any] = {}
         self.datasets_: list[dict[str, Any]] = []
         self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
@@ -446,6 +447,8 @@ class Calibrator:
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
             "thresholds": [asdict(t) for t in self.thresholds_],
+            **({"group_thresholds": {g: [asdict(t) for t in ts] for g, ts in self.group_thresholds_.items()}}
+               if self.group_thresholds_ else {}),
             "metrics": _jsonable(self.metrics_),
             "datasets": self.datasets_,
             "split": self.split_,
@@ -542,6 +545,8 @@ class Calibrator:
         self.n_fit_ = art.n_fit
         self.n_fit_invalid_ = art.n_fit_invalid
         self.thresholds_ = [Threshold(**t.model_dump()) for t in art.thresholds]
+        self.group_thresholds_ = {g: [Threshold(**t.model_dump()) for t in ts]
+                                  for g, ts in (art.group_thresholds or {}).items()}
         self.metrics_ = art.metrics
         self.datasets_ = [d.model_dump() for d in art.datasets]
         self.split_ = art.split

@@ -33,6 +33,7 @@ from guarduq.calibration.features import SVE, forward_equivalents
 from guarduq.calibration.reviews import (
     REVIEWS,
     check_review_size,
+    group_certificates,
     review_parts,
     uniform_only,
     uniform_reference,
@@ -257,6 +258,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if weights is not None:
         uniform_reference(cal, ok, datasets)
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
+    if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
+        cal.group_thresholds_ = group_certificates(cal, parts["threshold"], datasets, alphas, args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
     summary = summarize(records)
@@ -294,7 +297,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if sve is not None:
         payload["sve"] = {**sve.describe(), **({"shape": asdict(shape)} if shape else {})}
     if weights is not None:
-        payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights)}
+        payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights),
+                              "groups": {g: [t.__dict__ for t in ts] for g, ts in cal.group_thresholds_.items()}}
     header = (
         f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
         f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items\n"

@@ -35,6 +35,7 @@ from guarduq.decider import Decider
 from guarduq.errors import GuardUQError, InputError, ReloadError
 from guarduq.guard import Guard, GuardedResponse
 from guarduq.policy.audit import json_line
+from guarduq.policy.context import group_of
 from guarduq.serve import tracing
 from guarduq.serve.engine import Cancelled, Engine, Job, QueueFull
 from guarduq.serve.metrics import ServerMetrics
@@ -98,6 +99,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     metrics = ServerMetrics()
     tracer = tracing.make_tracer()
     live = _Live(_drift_monitor(guard.calibrator, s))  # the worker swaps it with the calibrator
+    guard.drift = live.drift  # the case the policy's on_drift acts on
 
     def on_done(job: Job, r: GuardedResponse) -> None:
         metrics.observe_response(job.kind if job.kind == "score" else "chat", r)
@@ -124,7 +126,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
         monitor = _drift_monitor(new.calibrator, s)
 
         def apply() -> None:
-            live.drift = app.state.drift = monitor
+            live.drift = app.state.drift = guard.drift = monitor
             if monitor is not None:
                 metrics.observe_drift(monitor.snapshot(), monitor.case())
         return apply
@@ -249,7 +251,8 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
         gen, max_new = _generation(req, s, guard)
         n_prompt = _check_tokens(guard, prompt, max_new, s)
         kind = "stream" if req.stream else "generate"
-        job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed)
+        job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed,
+                  group=group_of(guard.policy, req.traffic_group()))
         if not req.stream:
             r = await _wait(request, _submit(engine, job, s, metrics), metrics)
             return _Json(_completion(req, model_ids[0], r, guard, n_prompt, max_new), headers=_header(r))

@@ -183,3 +183,17 @@ def test_the_store_module_paths_still_name_the_ground_floor_sampler() -> None:
 
     assert old.Sample is records.Sample is ground.Sample is Sample
     assert old.ReviewSampler is ground.ReviewSampler and old.fit_weights is ground.fit_weights
+
+
+def test_a_drift_rate_is_an_extra_draw_so_the_uniform_sample_stays_uniform() -> None:
+    s = ReviewSampler(rate=0.1, bands=[(0.0, 0.2, 0.3)], seed=11)
+    n = 20_000
+    draws = [s.draw(0.5, False, drift_rate=1.0) for _ in range(n)]
+    assert all(d.sampled and "drift" in d.reasons for d in draws)  # every reply while drifting
+    assert all(d.extra_probability == 1.0 and d.inclusion_probability == 1.0 for d in draws)
+    assert within(sum(d.uniform for d in draws) / n, 0.1, n)  # the uniform draw is untouched
+    banded = [s.draw(0.1, False, drift_rate=0.2) for _ in range(n)]  # the band's 0.3 is larger
+    assert within(sum("band" in d.reasons for d in banded) / n, 0.3, n)
+    assert not any("drift" in d.reasons for d in banded)
+    with pytest.raises(StoreInputError, match="drift review rate"):
+        s.draw(0.5, False, drift_rate=2.0)
