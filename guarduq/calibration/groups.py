@@ -21,12 +21,12 @@ Lower layer: numpy only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from guarduq.calibration.thresholds import Threshold, select_threshold
+from guarduq.calibration.thresholds import Threshold, select_threshold, start_threshold
 from guarduq.errors import CalibrationError
 
 MAX_GROUP_NAME = 64  # the store's column width
@@ -34,10 +34,12 @@ MAX_GROUP_NAME = 64  # the store's column width
 
 def certify_groups(
     risk: Sequence[float], wrong: Sequence[int], groups: Sequence[str | None],
-    alphas: Sequence[float], delta: float,
+    alphas: Sequence[float], delta: float, starts: Mapping[tuple[str, float], float | None] | None = None,
 ) -> dict[str, list[Threshold]]:
     """Per group (items whose group is None are pooled only): one ``Threshold`` per alpha,
-    certified on that group's items alone."""
+    certified on that group's items alone. ``starts[(group, alpha)]``: where a second test
+    sequence starts, learned on labels these never include (:func:`group_starts`), as the pooled
+    certificate learns its start on the fit split."""
     r = np.asarray(risk, dtype=float)
     w = np.asarray(wrong, dtype=int)
     g = np.asarray([x if x is not None else "" for x in groups], dtype=object)
@@ -48,7 +50,25 @@ def certify_groups(
         if len(name) > MAX_GROUP_NAME:
             raise CalibrationError(f"group name {name[:20]!r}... is longer than {MAX_GROUP_NAME} characters")
         m = (g == name) & np.isfinite(r)
-        out[name] = [select_threshold(r[m], w[m], a, delta) for a in sorted(set(alphas))]
+        out[name] = [select_threshold(r[m], w[m], a, delta, start=(starts or {}).get((name, a)))
+                     for a in sorted(set(alphas))]
+    return out
+
+
+def group_starts(
+    risk: Sequence[float], wrong: Sequence[int], groups: Sequence[str | None], alphas: Sequence[float],
+    delta: float,
+) -> dict[tuple[str, float], float | None]:
+    """Each group's start per alpha (:func:`~guarduq.calibration.thresholds.start_threshold`) on
+    labelled items the certificate will not read (the fit split)."""
+    r = np.asarray(risk, dtype=float)
+    w = np.asarray(wrong, dtype=int)
+    g = np.asarray([x if x is not None else "" for x in groups], dtype=object)
+    out: dict[tuple[str, float], float | None] = {}
+    for name in sorted({str(x) for x in g if x}):
+        m = (g == name) & np.isfinite(r)
+        for a in sorted(set(alphas)):
+            out[(name, a)] = start_threshold(r[m], w[m], a, delta) if m.any() else None
     return out
 
 

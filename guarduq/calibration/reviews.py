@@ -149,18 +149,22 @@ def uniform_reference(cal: Any, records: Sequence[Any], datasets: Sequence[Datas
         cal.reference_ = reference_quantiles(uniform, drift_features(cal.features))
 
 
-def group_certificates(cal: Any, threshold_records: Sequence[Any], datasets: Sequence[Dataset],
+def group_certificates(cal: Any, parts: Mapping[str, Sequence[Any]], datasets: Sequence[Dataset],
                        alphas: Sequence[float], delta: float) -> dict[str, list[Any]]:
     """Each traffic group's own thresholds (``guarduq.calibration.groups``), certified on the
-    group's share of the threshold split (uniform items only, as the pooled certificate)."""
-    from guarduq.calibration.groups import certify_groups
+    group's share of the threshold split (uniform items only, as the pooled certificate), each
+    test's second start learned on the group's fit-split items (labels the test never reads)."""
+    from guarduq.calibration.groups import certify_groups, group_starts
 
     group = {it.id: it.meta.get("group") for d in datasets for it in d.items}
-    names = [group.get(r.id) for r in threshold_records]
+    held, fit = parts["threshold"], parts["fit"]
+    names = [group.get(r.id) for r in held]
     if not any(names):
         return {}
-    risk = cal.predict_risk([r.scores for r in threshold_records])
-    table = certify_groups(risk, [1 - int(r.label) for r in threshold_records], names, alphas, delta)
+    starts = group_starts(cal.predict_risk([r.scores for r in fit]), [1 - int(r.label) for r in fit],
+                          [group.get(r.id) for r in fit], alphas, delta) if fit else None
+    risk = cal.predict_risk([r.scores for r in held])
+    table = certify_groups(risk, [1 - int(r.label) for r in held], names, alphas, delta, starts)
     for g, ts in table.items():
         log.info("group_certificates", group=g, n=ts[0].n if ts else 0,
                  certified={t.alpha: t.threshold for t in ts})

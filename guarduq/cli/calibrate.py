@@ -259,7 +259,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         uniform_reference(cal, ok, datasets)
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
-        cal.group_thresholds_ = group_certificates(cal, parts["threshold"], datasets, alphas, args.delta)
+        cal.group_thresholds_ = group_certificates(cal, parts, datasets, alphas, args.delta)
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
     summary = summarize(records)

@@ -109,7 +109,8 @@ class ReviewStore(Protocol):
     def queue(self, **kw: Any) -> list[Any]: ...
     def count(self, **kw: Any) -> int: ...
     def next_unlabelled(self, after: str | None = None, **kw: Any) -> str | None: ...
-    def progress(self) -> dict[str, Any]: ...
+    def progress(self, group: str | None = None) -> dict[str, Any]: ...
+    def groups(self) -> dict[str, int]: ...
     def export_jsonl(self, out: Any, *, since: Any = None) -> int: ...
 
 
@@ -193,19 +194,22 @@ def create_review_app(store: ReviewStore, settings: ReviewPageSettings | None = 
             token = csrf.mint()
         html = env.get_template(template).render(
             base=_base(request), csrf=token, reviewer=reviewer(request), title=title,
-            progress=current_progress(), named_by_login=bool(request.state.caller.user), **ctx)
+            progress=current_progress(getattr(ctx.get("q"), "group", None)),
+            named_by_login=bool(request.state.caller.user), **ctx)
         resp = HTMLResponse(html)
         if fresh:
             resp.set_cookie(CSRF_COOKIE, str(token), httponly=True, samesite="strict",
                             secure=request.url.scheme == "https", path=cookie_path(request))
         return resp
 
-    def current_progress() -> Progress:
+    def current_progress(group: str | None = None) -> Progress:
+        """The progress line, of one traffic group's labels when the queue is filtered by group
+        (each group's own certificate counts its own uniform labels)."""
         alpha = alpha_of() if alpha_of is not None else s.alpha
         if alpha is not None and not 0 < alpha < 1:
             alpha = None
-        return progress(store.progress(), alpha=alpha, delta=s.delta,
-                        threshold_fraction=s.threshold_fraction)
+        counts = store.progress(group=group) if group is not None else store.progress()
+        return progress(counts, alpha=alpha, delta=s.delta, threshold_fraction=s.threshold_fraction)
 
     # -- pages
 
@@ -218,7 +222,7 @@ def create_review_app(store: ReviewStore, settings: ReviewPageSettings | None = 
         rows = store.queue(**filters, unlabelled_first=q.unlabelled_first, limit=s.page_size,
                            offset=(q.page - 1) * s.page_size)
         return page(request, "queue.html", title="Review queue", q=q, rows=rows, total=total,
-                    pages=pages, item_query=q.query())
+                    pages=pages, item_query=q.query(), groups=store.groups())
 
     @app.get("/items/{request_id}")
     def item_page(request: Request, request_id: str) -> HTMLResponse:

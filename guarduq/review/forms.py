@@ -48,15 +48,16 @@ class Filters(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    reason: Literal["escalation", "uniform", "band"] | None = None
+    reason: Literal["escalation", "uniform", "band", "drift"] | None = None
     action: Literal["allow", "abstain", "escalate", "second_opinion"] | None = None
     risk_min: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     risk_max: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     labelled: bool | None = None
     current: Literal["right", "wrong", "unsure"] | None = None  # the current label is this
+    group: str | None = Field(None, min_length=1, max_length=64)  # the replies' traffic group
     unlabelled_first: bool = True
 
-    _blanks = field_validator("reason", "action", "risk_min", "risk_max", "labelled", "current",
+    _blanks = field_validator("reason", "action", "risk_min", "risk_max", "labelled", "current", "group",
                               mode="before")(_blank_is_none)
 
     @field_validator("unlabelled_first", mode="before")
@@ -73,23 +74,23 @@ class Filters(BaseModel):
     def store_filters(self) -> dict[str, Any]:
         """Keyword arguments for ``Store.queue``/``count``."""
         return {"reason": self.reason, "action": self.action, "risk_min": self.risk_min,
-                "risk_max": self.risk_max, "labelled": self.labelled, "label": self.current}
+                "risk_max": self.risk_max, "labelled": self.labelled, "label": self.current, "group": self.group}
 
     def next_filters(self) -> dict[str, Any]:
         """Keyword arguments for ``Store.next_unlabelled`` (which is unlabelled by definition)."""
         return {"reason": self.reason, "action": self.action, "risk_min": self.risk_min,
-                "risk_max": self.risk_max}
+                "risk_max": self.risk_max, "group": self.group}
 
     def carried(self) -> Filters:
         """Just the filters (a form or page model carries more fields)."""
         return Filters(reason=self.reason, action=self.action, risk_min=self.risk_min,
                        risk_max=self.risk_max, labelled=self.labelled, current=self.current,
-                       unlabelled_first=self.unlabelled_first)
+                       group=self.group, unlabelled_first=self.unlabelled_first)
 
     def params(self) -> dict[str, str]:
         """The non-default filters as query parameters (for links and hidden form fields)."""
         out: dict[str, str] = {}
-        for k in ("reason", "action", "risk_min", "risk_max", "current"):
+        for k in ("reason", "action", "risk_min", "risk_max", "current", "group"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = f"{v:g}" if isinstance(v, float) else str(v)

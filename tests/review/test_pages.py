@@ -348,3 +348,25 @@ def test_filter_choices_follow_the_policy_and_store() -> None:
     assert choices(Filters, "reason") == REASONS and choices(Filters, "action") == ACTIONS
     assert choices(Filters, "current") == LABELS
     assert get_args(LabelForm.model_fields["label"].annotation) == LABELS
+
+
+def test_queue_and_progress_per_traffic_group(store: Store) -> None:
+    """Each group's certificate counts its own uniform labels: the page filters and counts by group."""
+    for i in range(6):
+        store.record(reply(i, group="legal" if i % 2 else "support"), UNIFORM)
+    store.record(reply(6), UNIFORM)  # no group
+    for i, lab in ((1, "wrong"), (3, "right"), (0, "right")):
+        store.add_label(f"req{i:04d}", reviewer="ann", label=lab)
+    c = client(store, alpha=0.3, delta=0.1)
+    html = c.get("/").text
+    assert 'name="group"' in html and "legal (3)" in html and "support (3)" in html
+    legal = c.get("/?group=legal").text
+    assert _ids(legal) == ["req0005", "req0003", "req0001"]
+    line = re.search(r'id="progress">(.*?)</p>', legal).group(1)
+    assert line.startswith("2 of 3 labelled (2 from the uniform sample, 1 of them wrong")
+    everything = re.search(r'id="progress">(.*?)</p>', html).group(1)
+    assert everything.startswith("3 of 7 labelled")
+    # the next unlabelled item stays inside the group (req0005 is legal's only unlabelled one)
+    assert store.next_unlabelled(after="req0005", group="legal") is None
+    assert store.next_unlabelled(after="req0005") == "req0004"  # without the group: the next older one
+    assert c.get("/?group=" + "x" * 65).status_code == 400

@@ -209,3 +209,53 @@ def test_serve_takes_the_group_from_metadata_and_every_reply_says_what_was_in_fo
     assert plain["decision"]["action"] == "allow"
     assert bad.status_code == 400 and "metadata.group" in bad.text
     store.close()
+
+
+def _scores(centre: tuple[float, float, float], n: int, rng: np.random.Generator, group: str = "") -> list[dict]:
+    le, al, lp = centre
+    return [{"dataset": group, "epistemic": float(np.exp(rng.normal(le, 0.5))),
+             "aleatoric": float(np.clip(rng.normal(al, 0.03), 0, 0.25)), "mean_logprob": float(rng.normal(lp, 0.3)),
+             "valid": True} for _ in range(n)]
+
+
+def test_drift_action_covers_every_unseen_reply_and_few_in_distribution_ones() -> None:
+    """A live stream through the monitor, as the Guard reads it: SST-2-style traffic (like no
+    calibration group) is escalated once the window fills, every reply; a held-out slice of the
+    mix is named and, certified, left to the rules; in-distribution traffic rarely triggers it."""
+    from guarduq.calibration.drift import DriftMonitor, Reference
+    from guarduq.calibration.drift_groups import group_reference
+
+    centres = {"arc": (0.0, 0.10, -1.0), "boolq": (1.5, 0.05, -0.3), "nq-open": (-1.5, 0.15, -2.0)}
+    rng = np.random.default_rng(0)
+    recs = [r for g, c in centres.items() for r in _scores(c, 300, rng, g)]
+    features = ("log_epistemic", "aleatoric", "mean_logprob")
+    grouped = group_reference(recs, features, "synthetic")
+    ref = Reference({f: grouped.sample()[f] for f in features}, "synthetic", grouped)
+    p = policy(on_drift={"unseen": {"action": "escalate", "review_rate": 1.0}, "slice": {"action": "abstain"}})
+    cal = SimpleNamespace(group_thresholds_={"arc": [_threshold(0.5)]})
+
+    def stream(traffic: list[dict]) -> list[Any]:
+        mon = DriftMonitor(ref, window=100, min_n=50, case_every=1)
+        out = []
+        for s in traffic:
+            case = mon.case()
+            out.append(in_force(p, cal, None, case.label if case is not None else None))
+            mon.observe(s)
+        return out
+
+    sst2 = stream(_scores((3.0, 0.22, -4.0), 300, rng))  # like no group
+    after = sst2[51:]  # once the window holds min_n replies
+    assert all(c.drift == "unseen" and c.rule is not None and c.rule.action == "escalate" for c in after)
+    assert all(c.review_rate == 1.0 for c in after)
+    held_out = stream(_scores(centres["arc"], 300, rng))  # one calibration group alone: a slice
+    named = [c for c in held_out[60:] if c.drift == "slice:arc"]
+    assert len(named) >= 0.8 * len(held_out[60:])  # the slice is named (a window may cross its threshold)
+    assert all(c.rule is None for c in named)  # arc has its own certificate: the rules decide
+    assert sum(c.rule is not None for c in held_out) <= 0.1 * len(held_out)
+    boolq_slice = stream(_scores(centres["boolq"], 300, rng))
+    acting = [c for c in boolq_slice[60:] if c.drift == "slice:boolq"]
+    assert len(acting) >= 0.8 * len(boolq_slice[60:])
+    assert all(c.rule is not None and c.rule.action == "abstain" for c in acting)  # an uncertified slice
+    mixed = [r for _ in range(100) for g in centres for r in _scores(centres[g], 1, rng)]
+    acted = [c for c in stream(mixed) if c.rule is not None]
+    assert len(acted) / len(mixed) <= 0.1  # in-distribution: the drift action rarely fires
