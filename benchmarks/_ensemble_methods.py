@@ -49,7 +49,7 @@ from guarduq.layout import PromptLike
 from guarduq.scoring.reuse import StateCapture, decoder_blocks
 from guarduq.sve import LLAMA_TARGETS, SVELinear
 from guarduq.sve.frozen import FrozenStates
-from guarduq.sve.training import _member_batch, clip_per_member
+from guarduq.sve.training import clip_per_member, member_batch
 
 # --------------------------------------------------------------------------- tasks
 
@@ -412,7 +412,7 @@ class Method:
         history = []
         labels = torch.as_tensor(enc.labels)
         for step in tqdm(range(steps), desc=f"fit {self.name}", unit="step", disable=not progress, leave=False):
-            rows = [_member_batch(len(enc), m, step, batch, self.seed) for m in range(self.members)]
+            rows = [member_batch(len(enc), m, step, batch, self.seed) for m in range(self.members)]
             logits = self.train_logits(top, enc, rows)
             losses = [nn.functional.cross_entropy(lg, labels[r]) for lg, r in zip(logits, rows, strict=True)]
             loss = torch.stack(losses).sum()  # each member's gradient is its own loss's

@@ -140,7 +140,8 @@ MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MMAP_MODES = ("forward", "all_checkpointed")
 
 
-def memory_child(mode: str, tokens: int, quick: bool, default_set: str | None) -> dict[str, Any]:
+def memory_child(mode: str, tokens: int, quick: bool, default_set: str | None,
+                 model: str = "smollm2-135m-instruct") -> dict[str, Any]:
     """In a fresh process: peak resident memory of one ``mode`` at a ``tokens``-token prompt.
 
     ``forward``: one no-grad forward; ``unguarded`` / ``default``: generation of 20 tokens without
@@ -153,7 +154,7 @@ def memory_child(mode: str, tokens: int, quick: bool, default_set: str | None) -
     from guarduq import layout
 
     torch.set_num_threads(1)
-    modes, _ = load_guards(quick, default_set, sets=False)
+    modes, _ = load_guards(quick, default_set, sets=False, model=model)
     g = modes["all"]
     prompt, real = build_prompt(g.tokenizer, documents(), tokens)
     enc = layout.encode(g.tokenizer, g.model, prompt, "word " * 20, ended=False)
@@ -179,7 +180,8 @@ def memory_child(mode: str, tokens: int, quick: bool, default_set: str | None) -
             "seconds": time.perf_counter() - t0}
 
 
-def memory_table(lengths: list[int], quick: bool, default_set: str | None) -> list[dict[str, Any]]:
+def memory_table(lengths: list[int], quick: bool, default_set: str | None,
+                 model: str = "smollm2-135m-instruct") -> list[dict[str, Any]]:
     """``memory_child`` of every mode at every length, each in its own process (a process's
     allocator keeps what it freed, so peaks measured one after another would hide each other).
     Unchecked all-parameter scoring is skipped at the longest length (it needs gigabytes)."""
@@ -196,6 +198,7 @@ def memory_table(lengths: list[int], quick: bool, default_set: str | None) -> li
             cmd = [sys.executable, __file__, "--memory-child", mode, "--tokens", str(n)]
             cmd += ["--quick"] if quick else []
             cmd += ["--default-set", default_set] if default_set else []
+            cmd += ["--model", model]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1", **env})
             got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     if args.memory_child:
-        print(json.dumps(memory_child(args.memory_child, args.tokens, args.quick, args.default_set)))
+        print(json.dumps(memory_child(args.memory_child, args.tokens, args.quick, args.default_set, args.model)))
         return 0
     torch.set_num_threads(1)
     lengths = args.lengths or ((60, 120) if args.quick else LENGTHS)
@@ -367,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in tqdm(cost_lengths, desc="scoring cost"):
         prompt, real = prompts[n]
         res["scoring"].append({"tokens": real, **scoring_cost(sets, prompt, 20)})
-    res["memory"] = memory_table([n for n in lengths if n >= 1000] or lengths[:1], args.quick, args.default_set)
+    res["memory"] = memory_table([n for n in lengths if n >= 1000] or lengths[:1], args.quick, args.default_set,
+                                 args.model)
     res["profile"] = profile_default(modes["default"], prompts[lengths[-1]][0], answers[0])
     page = render(res)
     if args.quick:

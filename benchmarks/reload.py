@@ -20,9 +20,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _pages import rerun_command, write_json, write_whole_page
+from _server import ServeProcess, free_port, percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
@@ -40,17 +39,6 @@ PROMPTS = (
     "What is the largest planet in the solar system?", "How many days are in a leap year?",
     "What is the chemical symbol for gold?", "Which ocean is the largest?", "Who painted the Mona Lisa?",
 )
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- set-up
@@ -98,40 +86,16 @@ def _versions(cal: Path) -> list[bytes]:
     return [cal.read_bytes(), (json.dumps({**doc, "created": "2000-01-01T00:00:00+00:00"}, indent=1) + "\n").encode()]
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, model: str, policy: Path, tmp: Path, max_tokens: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / "server.log", "ab")  # noqa: SIM115 - open for the subprocess' lifetime
-        cmd = [sys.executable, "-m", "guarduq", "serve", "--model", model, "--policy", str(policy),
-               "--audit", str(tmp / "audit.jsonl"), "--port", str(self.port), "--max-queue", "512",
-               "--default-max-tokens", str(max_tokens), "--admin-key-env", ADMIN_ENV, "--log-level", "warning"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), ADMIN_ENV: ADMIN_KEY}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=env, cwd=ROOT)
+        super().__init__(free_port(), ["--model", model, "--policy", str(policy), "--audit", str(tmp / "audit.jsonl"),
+                                       "--max-queue", "512", "--default-max-tokens", str(max_tokens),
+                                       "--admin-key-env", ADMIN_ENV, "--log-level", "warning"],
+                         tmp / "server.log", env={ADMIN_ENV: ADMIN_KEY})
 
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                r = httpx.get(self.url + "/readyz", timeout=2)
-                if r.status_code == 200:
-                    return r.json()
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready in time")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        """What ``/readyz`` said once the server was ready."""
+        return self.ready(timeout)[1]
 
 
 # --------------------------------------------------------------------------- load
@@ -309,15 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     report["p99_ratio"] = report["reloading"]["p99_s"] / report["steady"]["p99_s"]
     report["replies_named_a_served_calibrator"] = all(
         sha in served for r in runs["steady"] + runs["reloading"] for sha in r["shas"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(out, report)
     print(json.dumps(report, indent=1))
     print(f"p99 during reload / steady p99 = {report['p99_ratio']:.2f} (goal <= 1.5)")
     if page_path is not None:
-        omp = f"OMP_NUM_THREADS={report['OMP_NUM_THREADS']} " if report["OMP_NUM_THREADS"] else ""
-        command = f"{omp}.venv/bin/python benchmarks/reload.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        page_path.write_text(page(report, command.strip()))
-        print(f"wrote {page_path}", file=sys.stderr)
+        write_whole_page(page_path, page(report, rerun_command("reload.py", argv, report["OMP_NUM_THREADS"])))
     ok = report["steady"]["errors"] == 0 and report["reloading"]["errors"] == 0
     ok &= report["reloading"].get("reloads", 0) > 0 and report["reloading"]["reloads"] == report["reloading"]["reloads_ok"]
     return 0 if ok and report["replies_named_a_served_calibrator"] else 1

@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _server import ServeProcess, free_port, percentile
 from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,17 +47,6 @@ PROMPTS = (
 
 def messages(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 # --------------------------------------------------------------------------- direct
@@ -87,42 +75,18 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the server
 
 
-class Server:
+class Server(ServeProcess):
     """``guarduq serve`` in a subprocess; ``model`` and ``extra`` flags (e.g. ``--store URL``) let
     other benchmarks (store_load.py) start the same server on another model or with a store."""
 
     def __init__(self, port: int, policy: Path, audit: Path, batching: str, log: Path, *,
                  model: str = MODEL, extra: Sequence[str] = ()) -> None:
-        self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.log = open(log, "ab")  # noqa: SIM115 - kept open for the subprocess' lifetime
-        cmd = [sys.executable, "-m", "guarduq", "serve", "--model", model, "--policy", str(policy),
-               "--audit", str(audit), "--port", str(port), "--batching", batching,
-               "--max-queue", "256", "--log-level", "warning", *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=env, cwd=ROOT)
+        super().__init__(port, ["--model", model, "--policy", str(policy), "--audit", str(audit),
+                                "--batching", batching, "--max-queue", "256", "--log-level", "warning", *extra], log)
 
     def wait_ready(self, timeout: float = 180.0) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready in time")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        """Seconds until the server was ready."""
+        return self.ready(timeout)[0]
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int, stop_event: threading.Event | None = None,

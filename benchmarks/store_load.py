@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import os
 import platform
@@ -49,8 +48,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]  # serve.py / reload.py beside this file; tests.pg_server
 
+from _pages import rerun_command, write_json, write_whole_page  # noqa: E402
+from _server import free_port, percentile  # noqa: E402
 from reload import _relative, files_quick  # noqa: E402
-from serve import MODEL, Server, free_port, load, mean_batch, percentile, summary  # noqa: E402
+from serve import MODEL, Server, load, mean_batch, summary  # noqa: E402
 
 from tests.pg_server import temporary_postgres, unavailable  # noqa: E402
 
@@ -484,8 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     stores = [c for c in configs if c != "none"]
     report["goal_met"] = all(report[c]["ratio_to_none"] >= GOAL for c in stores)
     report |= quiet_ratios(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(out, report)
     print(table(report))
     print()
     print(store_table(report))
@@ -494,10 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     for c, x in report["quiet_ratio_to_none"].items():
         print(f"throughput {c} / no store in the quiet rounds {report['quiet_rounds']} = {x:.3f}")
     if page_path is not None:
-        omp = f"OMP_NUM_THREADS={report['OMP_NUM_THREADS']} " if report["OMP_NUM_THREADS"] else ""
-        command = f"{omp}.venv/bin/python benchmarks/store_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        page_path.write_text(page(report, command.strip()))
-        print(f"wrote {page_path}", file=sys.stderr)
+        write_whole_page(page_path, page(report, rerun_command("store_load.py", argv, report["OMP_NUM_THREADS"])))
     ok = all(report[c]["errors"] == 0 for c in configs) and all(report[c]["store"]["ok"] for c in stores)
     return 0 if ok else 1
 

@@ -156,11 +156,11 @@ def forward_costs(ens: SVEnsemble, model: Any, tok: Any, prompts: list[Any], lab
 
     def shared() -> None:
         with torch.no_grad(), ens._fan_out(len(encoded)) as fold:
-            ens._label_logits(fold(batch.input_ids), fold(batch.attention_mask), batch.lengths.repeat(m), label_ids)
+            ens.label_logits(fold(batch.input_ids), fold(batch.attention_mask), batch.lengths.repeat(m), label_ids)
 
     def folded() -> None:  # no prefix sharing: all M·B rows through every block
         with torch.no_grad():
-            ens._label_logits(batch.input_ids.repeat(m, 1), batch.attention_mask.repeat(m, 1),
+            ens.label_logits(batch.input_ids.repeat(m, 1), batch.attention_mask.repeat(m, 1),
                               batch.lengths.repeat(m), label_ids)
 
     t_base, t_shared, t_folded = timed(base), timed(shared), timed(folded)

@@ -29,7 +29,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from _pages import write_page  # benchmarks/_pages.py (script folder on sys.path)
+from _synthetic_report import nuts_s, plot_maps, plot_rho, render
 from scipy.stats import spearmanr
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -52,13 +52,6 @@ REPO = Path(__file__).resolve().parents[1]
 # (depth, width) of the hidden layers; parameter counts from ~10² to ~10⁵.
 FULL_SIZES = ["1x32", "2x16", "2x32", "2x64", "2x128", "2x256"]
 QUICK_SIZES = ["1x32", "2x32", "2x128"]
-METHODS = {
-    "guarduq": "guarduq ‖∇θ p(ŷ|x)‖² at MAP",
-    "laplace_full": "Laplace, full-network GGN (linearised)",
-    "laplace_diag": "Laplace, diagonal GGN (linearised)",
-    "laplace_last": "Laplace, last-layer GGN",
-    "aleatoric": "control: p(1−p) at MAP",
-}
 
 
 @dataclass(frozen=True)
@@ -471,7 +464,7 @@ def run_one(cfg: Config) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- cache, plots, page
+# --------------------------------------------------------------------------- cache (plots and page: _synthetic_report.py)
 
 
 def load_cache(path: Path) -> dict[str, dict[str, Any]]:
@@ -492,169 +485,6 @@ def append_row(path: Path, row: dict[str, Any]) -> None:
         fh.write(json.dumps(row) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def plot_rho(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    datasets = sorted({r["config"]["dataset"] for r in rows})
-    splits = ["grid", "test"]
-    fig, axes = plt.subplots(
-        len(datasets), 2, figsize=(11, 3.8 * len(datasets)), squeeze=False, sharey=True
-    )
-    styles = {
-        "guarduq": ("C0", "o", "-"), "laplace_full": ("C1", "s", "-"),
-        "laplace_diag": ("C2", "^", "-"), "laplace_last": ("C3", "v", "-"),
-        "aleatoric": ("0.5", "x", ":"), "mcmc_chain_vs_chain": ("k", "", "--"),
-    }
-    for i, ds in enumerate(datasets):
-        sub = sorted((r for r in rows if r["config"]["dataset"] == ds), key=lambda r: r["n_params"])
-        n = [r["n_params"] for r in sub]
-        for j, split in enumerate(splits):
-            ax = axes[i][j]
-            for m, (c, mk, ls) in styles.items():
-                if m in sub[0]["rho"][split]:
-                    label = METHODS.get(m, "MCMC chain 1 vs chain 2 (reference noise)")
-                    ax.plot(n, [r["rho"][split][m] for r in sub], color=c, marker=mk, ls=ls,
-                            label=label)
-            ax.axhspan(0.44, 0.99, color="C0", alpha=0.06)
-            ax.set_xscale("log")
-            ax.set_title(f"{ds}, {split} points (n={sub[0]['config']['grid'] ** 2 if split == 'grid' else sub[0]['config']['n_test']})")
-            ax.set_xlabel("parameters")
-            ax.grid(alpha=0.3)
-            if j == 0:
-                ax.set_ylabel("Spearman ρ vs MCMC Var[p(y|x)]")
-    axes[0][1].legend(fontsize=7, loc="lower left")
-    fig.suptitle("Rank agreement with the NUTS posterior variance (shaded: the paper's 0.44–0.99)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_maps(row: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    g = row["grid_maps"]
-    xy = np.asarray(g["x"])
-    n = int(round(math.sqrt(len(xy))))
-    tx, ty = np.asarray(g["train_x"]), np.asarray(g["train_y"])
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.9))
-    for ax, (key, title) in zip(
-        axes,
-        [("mcmc_var", "NUTS Var[p(y|x)]"), ("guarduq", "guarduq ‖∇θ p‖² at MAP"),
-         ("laplace_full", "Laplace (full GGN) Var[p]")],
-        strict=True,
-    ):
-        z = np.log10(np.asarray(g[key]).reshape(n, n) + 1e-12)
-        im = ax.pcolormesh(xy[:, 0].reshape(n, n), xy[:, 1].reshape(n, n), z, shading="auto")
-        ax.scatter(tx[:, 0], tx[:, 1], c=ty, cmap="coolwarm", s=6, edgecolors="k", linewidths=0.2)
-        ax.set_title(title + " (log10)", fontsize=9)
-        fig.colorbar(im, ax=ax)
-    cfg = row["config"]
-    fig.suptitle(f"{cfg['dataset']}, MLP {cfg['size']} ({row['n_params']:,} parameters)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def hardware() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import jax
-    import numpyro
-
-    return (
-        f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), jax {jax.__version__}, numpyro {numpyro.__version__}, "
-        f"Python {platform.python_version()}"
-    )
-
-
-def nuts_s(row: dict[str, Any]) -> str:
-    """Rows from before the sampler timer blocked on the samples have no trustworthy NUTS time."""
-    return f"{row['mcmc']['mcmc_s']:.0f}" if "predictive_s" in row["mcmc"] else "n/a"
-
-
-def render(rows: list[dict[str, Any]], args: argparse.Namespace, stem: str, wall_s: float) -> str:
-    c = rows[0]["config"]
-    lines = [
-        f"Generated by `{' '.join(['python', 'benchmarks/synthetic.py', *sys.argv[1:]])}` "
-        f"in {wall_s / 60:.1f} min (cached rows not re-run). Hardware: {hardware()}; "
-        f"load average at start {args.load_at_start}.",
-        "",
-        f"Data: n_train = {c['n_train']} per dataset (noise {c['noise']}), evaluation on a "
-        f"{c['grid']}×{c['grid']} grid (n = {c['grid'] ** 2}, in and out of distribution) and "
-        f"n_test = {c['n_test']} fresh in-distribution points. Prior N(0, {c['prior_std']}²) on "
-        f"every parameter (NTK parameterisation), seed {c['seed']}.",
-        f"NUTS: {c['num_chains']} chains from independent prior draws, {c['num_warmup']} warmup + "
-        f"{c['num_samples']} draws each, max tree depth {c['max_tree_depth']}, target accept 0.8, "
-        "diagonal mass matrix adapted.",
-        "",
-        "Spearman ρ between each estimate and the NUTS variance of p(y=1|x) (grid / test):",
-        "",
-        "| data | MLP | params | guarduq | Laplace full | Laplace diag "
-        "| Laplace last layer | p(1−p) control | MCMC chain vs chain |",
-        "|---|---|---:|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = []
-        for m in [*METHODS, "mcmc_chain_vs_chain"]:
-            g, t = r["rho"]["grid"].get(m), r["rho"]["test"].get(m)
-            cells.append("–" if g is None else f"{g:.2f} / {t:.2f}")
-        lines.append(
-            f"| {r['config']['dataset']} | {r['config']['size']} | {r['n_params']:,} | "
-            + " | ".join(cells) + " |"
-        )
-    lines += [
-        "",
-        "Fit and sampler health, and cost:",
-        "",
-        "| data | MLP | MAP train / test acc | posterior test acc | R̂ of p (median / max) "
-        "| ESS of p (median) | divergences | mean leapfrog steps | MAP s | NUTS s "
-        "| guarduq ms/point (batched / GradientScorer) | Laplace full s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        m = r["mcmc"]
-        lines.append(
-            f"| {r['config']['dataset']} | {r['config']['size']} | "
-            f"{r['map']['train_acc']:.2f} / {r['test_acc_map']:.2f} | {r['test_acc_posterior']:.2f} | "
-            f"{m.get('rhat_pred_median', float('nan')):.3f} / {m.get('rhat_pred_max', float('nan')):.2f} | "
-            f"{m['ess_pred_median']:.0f} | {m['divergences']} | {m['mean_leapfrog_steps']:.0f} | "
-            f"{r['map']['seconds']:.0f} | {nuts_s(r)} | "
-            f"{1e3 * r['times']['guarduq_per_point_s']:.2f} / "
-            f"{1e3 * r['times']['guarduq_code_path_per_point_s']:.2f} | "
-            f"{r['times']['laplace_full_s']:.1f} |"
-        )
-    if any(nuts_s(r) == "n/a" for r in rows):
-        lines += ["", "NUTS s = n/a: the row was cached before the sampler's timer waited for "
-                  "JAX's asynchronous results, so its time stopped before the samples existed and "
-                  "is not reported. Delete `runs/bench/synthetic.jsonl` to re-time every row."]
-    worst = max((r["guarduq_check_max_rel_err"] for r in rows), default=float("nan"))
-    lines += [
-        "",
-        "Same-quantity check: on the first 100 evaluation points of every row, guarduq's own "
-        "`GradientScorer` (the MLP wrapped as a two-token 'LM': the class is the response token) "
-        "matches the batched float64 formula (p(1−p))²‖∇θ f‖² used for the table to a relative "
-        f"{worst:.1e} at worst (the run stops if it exceeds 1e-6).",
-        "",
-        f"![ρ vs model size]({stem}_rho.png)",
-        "",
-        f"![maps]({stem}_maps.png)",
-    ]
-    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main

@@ -1,7 +1,15 @@
-"""guarduq: does the model know what it is saying? Per-response epistemic and aleatoric scores."""
+"""guarduq: does the model know what it is saying? Per-response epistemic and aleatoric scores.
 
+The errors and the version load with the package; every other public name loads its module on
+first use (``guarduq._lazy``), so ``import guarduq.policy`` or ``guarduq.review`` loads no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from guarduq._lazy import attach
 from guarduq._version import __version__
-from guarduq.calibration import Calibrator
 from guarduq.errors import (
     ArtifactError,
     CacheCorruptError,
@@ -19,24 +27,25 @@ from guarduq.errors import (
     ScoringError,
     SVEError,
 )
-from guarduq.guard import Guard, GuardedResponse
-from guarduq.models import LoadedModel, ModelInfo, fingerprint, load_model
-from guarduq.policy import AuditLog, Decision, Policy, SecondOpinion
-from guarduq.scoring import GradientScorer, Scores
-from guarduq.sve import SVEnsemble
+
+if TYPE_CHECKING:
+    from guarduq.calibration.calibrator import Calibrator
+    from guarduq.guard import Guard
+    from guarduq.models import LoadedModel, ModelInfo, fingerprint, load_model
+    from guarduq.policy import AuditLog, Decision, Policy, SecondOpinion
+    from guarduq.response import GuardedResponse
+    from guarduq.scoring.uncertainty import GradientScorer, Scores
+    from guarduq.sve.ensemble import SVEnsemble
 
 __all__ = [
-    "AuditLog",
-    "Calibrator",
-    "Decision",
-    "Policy",
-    "SVEnsemble",
-    "SecondOpinion",
     "ArtifactError",
+    "AuditLog",
     "CacheCorruptError",
     "CalibrationError",
+    "Calibrator",
     "ContextLengthError",
     "DatasetError",
+    "Decision",
     "EscalationError",
     "FingerprintMismatchError",
     "GradientScorer",
@@ -46,14 +55,29 @@ __all__ = [
     "GuardedResponse",
     "InputError",
     "LoadedModel",
-    "ModelLoadError",
     "ModelInfo",
+    "ModelLoadError",
     "ModelNotFoundError",
+    "Policy",
     "PolicyError",
     "SVEError",
-    "ScoringError",
+    "SVEnsemble",
     "Scores",
+    "ScoringError",
+    "SecondOpinion",
     "__version__",
     "fingerprint",
     "load_model",
 ]
+__getattr__, __dir__ = attach(
+    __name__,
+    {
+        "guarduq.calibration.calibrator": ["Calibrator"],
+        "guarduq.guard": ["Guard"],
+        "guarduq.models": ["LoadedModel", "ModelInfo", "fingerprint", "load_model"],
+        "guarduq.policy": ["AuditLog", "Decision", "Policy", "SecondOpinion"],
+        "guarduq.response": ["GuardedResponse"],
+        "guarduq.scoring.uncertainty": ["GradientScorer", "Scores"],
+        "guarduq.sve.ensemble": ["SVEnsemble"],
+    },
+)

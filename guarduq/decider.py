@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guarduq.calibration import Calibrator, feature_matrix
-from guarduq.errors import CalibrationError
+from guarduq.errors import CalibrationError, FingerprintMismatchError
 from guarduq.policy import Policy
+from guarduq.store.sampling import ReviewSampler
 
 if TYPE_CHECKING:
     from guarduq.models import ModelInfo
@@ -64,6 +65,20 @@ class Decider:
     policy_source: Path | Policy | None = None
     calibrator_source: Path | Calibrator | None = None
     binding: Binding = field(default_factory=Binding)
+    # Draws the review sample from the replies this pair decides (``guarduq.traffic``), by its
+    # policy's ``review`` settings; None without a policy. Built with the pair (``replace`` too),
+    # so a sample is always drawn by the settings of the policy that decided the reply.
+    review_sampler: ReviewSampler | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sampler = ReviewSampler.from_settings(self.policy.config.review) if self.policy is not None else None
+        object.__setattr__(self, "review_sampler", sampler)
+
+    def keeps_text(self, sampled: bool) -> bool:
+        """Whether a reply's text is stored: every reply's with ``audit.log_text``, a sampled one's
+        with ``review.keep_text`` (the opt-ins); else its scores only."""
+        p = self.policy
+        return p is not None and (p.log_text or (sampled and p.config.review.keep_text))
 
     @property
     def identity(self) -> Identity:
@@ -99,11 +114,17 @@ class Decider:
         if calibrator is None and pol is not None:
             calibrator = pol.calibrator_path
         if isinstance(calibrator, str | os.PathLike):
-            cal = Calibrator.load(calibrator, expected_fingerprint=model.fingerprint)
+            try:
+                cal = Calibrator.load(calibrator, expected_fingerprint=model.fingerprint, expected_model=model.name)
+            except FingerprintMismatchError as exc:
+                if spec is not None or pol is None:
+                    raise
+                raise FingerprintMismatchError(f"policy {pol.name!r} ({pol.source}) names calibrator "
+                                               f"{calibrator}: {exc}") from exc
         else:
             cal = calibrator
             if strict and cal is not None:
-                cal.check_model(model.fingerprint)
+                cal.check_model(model.fingerprint, model_name=model.name)
         if cal is not None and parameter_set is not None and cal.parameter_set_ != parameter_set:
             raise CalibrationError(
                 f"the calibrator was fitted on gradients over parameters '{cal.parameter_set_}', but this "
@@ -119,7 +140,8 @@ class Decider:
             second = pol.second_calibrator_path
             bound = pol.bind(second_opinion=binding.second_opinion, allow_callables=binding.allow_callables,
                              sinks=binding.sinks, calibrator=cal,
-                             second_calibrator=Calibrator.load(second, expected_fingerprint=model.fingerprint)
+                             second_calibrator=Calibrator.load(second, expected_fingerprint=model.fingerprint,
+                                                               expected_model=model.name)
                              if second is not None and cal is not None else None)
         return cls(bound, cal, policy_source=_source(policy, pol), calibrator_source=_source(spec, spec),
                    binding=binding)

@@ -8,13 +8,11 @@ Everything model-specific lives in ``models``/``layout``/``uncertainty``; this f
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
-import uuid
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,9 +33,10 @@ from guarduq.models import (
     load_model,
     place_model,
 )
-from guarduq.policy import Decision, Policy, SecondOpinionProvider, make_signals
+from guarduq.policy import Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
-from guarduq.policy.context import InForce, current_group, in_force
+from guarduq.policy.context import current_group, in_force
+from guarduq.response import GuardedResponse, invalid_scores  # noqa: F401 - re-exported: guard's names
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
 from guarduq.scoring.uncertainty import CHECKPOINT_TOKENS, GradientScorer, Scores, model_lock
@@ -49,69 +48,6 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # The gradient's parameters when neither the caller nor a calibrator names them (None: all).
 DEFAULT_LAST_N_BLOCKS: int | None = None
 DEFAULT_SCORE_BATCH_SIZE = 16  # benchmarks/throughput.py
-
-
-@dataclass(frozen=True)
-class GuardedResponse:
-    """A response with its scores; ``ended`` says whether the model closed its turn."""
-
-    text: str
-    scores: Scores
-    ended: bool
-    prompt: PromptLike
-    model: ModelInfo
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    timings: dict[str, float] = field(default_factory=dict)
-    risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
-    decision: Decision | None = None  # what the policy decided, when the Guard has one
-    decided_by: Identity | None = None  # the policy/calibrator pair that decided it
-    in_force: InForce | None = None  # its traffic group, the drift case, which certificate decided
-
-    @property
-    def shown_text(self) -> str:
-        """What the user should see: the policy's text when there is a decision, else the reply."""
-        return self.decision.text if self.decision is not None else self.text
-
-    def metadata(self, scored_by: str = "model") -> dict[str, Any]:
-        """The JSON-ready record a face (LangChain message, server reply) attaches to the answer.
-
-        ``scored_by`` is ``"model"`` when the scores are the generating model's own, ``"scorer"``
-        when a local model read someone else's text by teacher forcing.
-        """
-        return {
-            "request_id": self.request_id,
-            "scored_by": scored_by,
-            "model": self.model.name,
-            "model_fingerprint": self.model.fingerprint,
-            "ended": self.ended,
-            "scores": self.scores.to_dict(with_token_probs=False),
-            "risk": self.risk,
-            "decision": self.decision.to_dict() if self.decision is not None else None,
-            **(self.decided_by or Identity()).to_dict(),  # policy, policy_sha256, calibrator_sha256
-            "in_force": self.in_force.to_dict() if self.in_force is not None else None,
-            "timings": dict(self.timings),
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "text": self.text,
-            "ended": self.ended,
-            "model": self.model.name,
-            "model_fingerprint": self.model.fingerprint,
-            **self.scores.to_dict(with_token_probs=False),
-            "timings": {**self.scores.timings, **self.timings},
-            **({"risk": self.risk} if self.risk is not None else {}),
-            **({"decision": self.decision.to_dict()} if self.decision is not None else {}),
-        }
-
-
-def invalid_scores(reason: str, n_params: int = 0, parameter_set: str = "all") -> Scores:
-    """Scores for a response that could not be scored: explicit ``valid=False``, never silent
-    (over the scorer's parameter set, so its calibrator turns them into risk 1.0, not an error)."""
-    nan = math.nan
-    return Scores(nan, nan, nan, nan, nan, nan, 0, (), n_params, valid=False, reason=reason,
-                  parameter_set=parameter_set)
 
 
 class Guard:
@@ -179,7 +115,7 @@ class Guard:
             default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
         ))
         self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
-        self.traffic = Traffic.open(store, self.policy) if store is not None else None
+        self.traffic = Traffic.open(store) if store is not None else None
         self.drift: Any = None  # a DriftMonitor whose case the policy's on_drift acts on (serve sets it)
         self.raise_on_abstain = raise_on_abstain
 
@@ -475,8 +411,7 @@ class Guard:
                 log_text=bool(policy and policy.log_text), in_force=ctx.to_dict(),
             ))
         if self.traffic is not None:
-            self.traffic.record(r, policy=policy, calibrator_sha256=calibrator.sha256 if calibrator
-                                else None, tokens=lambda: self._token_pieces(r))
+            self.traffic.record(r, pair, tokens=lambda: self._token_pieces(r))
         if decision is not None and self.raise_on_abstain and not decision.shown:
             raise GuardUQAbstention(decision.text, decision)
         return r

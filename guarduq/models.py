@@ -258,11 +258,11 @@ def load_model(
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         model, tok = _load_gguf(path, use_cache)
-        name, source = path.stem, str(path)
+        name, source = path.stem, str(path.resolve())  # absolute: a calibrator finds it again from anywhere
     elif Path(text).expanduser().is_dir():
         path = Path(text).expanduser()
         model, tok = _load_pretrained(path, local_only=True)
-        name, source = path.name, str(path)
+        name, source = path.name, str(path.resolve())
     elif _looks_like_hub_id(text):
         model, tok = _load_hub(text)
         name, source = text, f"hub:{text}"

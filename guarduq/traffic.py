@@ -23,14 +23,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from guarduq._logging import get_logger
 
 if TYPE_CHECKING:  # the store extra (SQLAlchemy) is only needed when a store is configured
-    from guarduq.store import ReviewSampler, Store
+    from guarduq.decider import Decider
+    from guarduq.store import Store
     from guarduq.store.records import ReplyRecord, Sample
 
 log = get_logger("traffic")
@@ -39,29 +39,19 @@ log = get_logger("traffic")
 MAX_PENDING = 10_000  # replies waiting for the writer; past this they are dropped and counted
 
 
-@dataclass(frozen=True)
-class _Settings:
-    """The policy's review settings, swapped as one object (a reader never mixes two policies)."""
-
-    policy: Any = None
-    sampler: ReviewSampler | None = None  # None: nothing is sampled for review
-    keep_text: bool = False  # review.keep_text: sampled replies keep their text
-    log_text: bool = False  # audit.log_text: every reply keeps its text
-
-
 class Traffic:
-    """A store, the review settings of the policy in force, and one writer thread.
+    """A store and one writer thread.
 
-    ``record`` decides on the caller's thread (the sample draw, what text is kept) and hands the
+    ``record`` decides on the caller's thread (the sample draw by the deciding pair's sampler,
+    what text is kept) and hands the
     write to the writer, so a slow or unreachable database never holds a reply up: past
     ``max_pending`` waiting writes, new ones are dropped and counted (``dropped_``), and a failed
     write is logged and counted (``errors_``). The audit log, written before the reply returns,
     stays the durable record; ``flush()`` waits for the writer (tests, shutdown).
     """
 
-    def __init__(self, store: Store, policy: Any | None = None, *, max_pending: int = MAX_PENDING) -> None:
+    def __init__(self, store: Store, *, max_pending: int = MAX_PENDING) -> None:
         self.store = store
-        self.settings = _settings(policy)
         self.written_ = self.errors_ = self.dropped_ = 0
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=max_pending)
         self._writer = threading.Thread(target=self._write_loop, name="guarduq-store-writer", daemon=True)
@@ -69,34 +59,32 @@ class Traffic:
         atexit.register(self.flush, 5.0)
 
     @classmethod
-    def open(cls, store: Store | str | os.PathLike[str], policy: Any | None = None) -> Traffic:
-        """A store (object or URL) with the sampling and text settings of ``policy``."""
+    def open(cls, store: Store | str | os.PathLike[str]) -> Traffic:
+        """A store, given as an object or a URL."""
         from guarduq.store import Store
 
-        return cls(store if isinstance(store, Store) else Store(str(store)), policy)
+        return cls(store if isinstance(store, Store) else Store(str(store)))
 
-    def record(self, r: Any, *, policy: Any | None, calibrator_sha256: str | None,
-               tokens: Callable[[], list[str]]) -> Sample | None:
+    def record(self, r: Any, pair: Decider, *, tokens: Callable[[], list[str]]) -> Sample | None:
         """Queue the decided reply ``r`` (a ``GuardedResponse``) for the store; returns its
-        review sample.
+        review sample. ``pair``: the ``Decider`` that decided it, whose sampler draws the sample and
+        whose policy says which text is kept; the record names it as ``r.decided_by`` does.
 
         ``tokens()`` gives the reply's token pieces, kept with the text for shading by
         probability. It is called here, on the caller's thread, and only when the text is kept:
         a tokenizer is not safe to share between threads (a Rust tokenizer raises "Already
         borrowed" when one thread pads a batch while another decodes).
         """
-        s = self.settings
-        if policy is not s.policy:  # a reload swapped the policy: take its review settings
-            s = self.settings = _settings(policy)
         d = r.decision
         escalated = d is not None and d.action == "escalate"
         ctx = getattr(r, "in_force", None)  # a drift action may raise review (policy on_drift)
         rate = ctx.review_rate if ctx is not None else 0.0
-        sample = s.sampler.draw(r.risk, escalated, drift_rate=rate) if s.sampler is not None else None
-        keep = s.log_text or (s.keep_text and sample is not None and sample.sampled)
+        sampler = pair.review_sampler
+        sample = sampler.draw(r.risk, escalated, drift_rate=rate) if sampler is not None else None
+        keep = pair.keeps_text(sample is not None and sample.sampled)
         pieces = _pieces(tokens, r.request_id) if keep else None
         try:
-            self._queue.put_nowait((r, policy, calibrator_sha256, pieces, sample, keep, escalated))
+            self._queue.put_nowait((r, pieces, sample, keep, escalated))
         except queue.Full:
             self.dropped_ += 1
             log.error("store_write_dropped", request_id=r.request_id, pending=self._queue.qsize(),
@@ -125,32 +113,21 @@ class Traffic:
         self._queue.task_done()
 
 
-def _settings(policy: Any | None) -> _Settings:
-    from guarduq.store import ReviewSampler
-
-    review = getattr(getattr(policy, "config", None), "review", None)
-    return _Settings(
-        policy=policy,
-        sampler=ReviewSampler.from_settings(review) if review is not None else None,
-        keep_text=bool(review is not None and review.keep_text),
-        log_text=bool(policy is not None and policy.log_text),
-    )
-
-
-def _reply(r: Any, policy: Any | None, calibrator_sha256: str | None, pieces: list[str] | None,
-           sample: Sample | None, keep: bool, escalated: bool) -> tuple[ReplyRecord, Sample | None]:
-    """The store's record of ``r``: text only when ``keep``."""
+def _reply(r: Any, pieces: list[str] | None, sample: Sample | None, keep: bool,
+           escalated: bool) -> tuple[ReplyRecord, Sample | None]:
+    """The store's record of ``r``: text only when ``keep``; the pair that decided it is
+    ``r.decided_by``, the identity the Guard gave the reply."""
     from guarduq.store.records import ReplyRecord
 
     d = r.decision
-    ident = policy.identity() if policy is not None else None
+    ident = r.decided_by
     reply = ReplyRecord(
         request_id=r.request_id,
         time=datetime.now(UTC),
         model_fingerprint=r.model.fingerprint,
-        policy=f"{ident['name']}@{ident['version']}" if ident else None,
-        policy_sha256=ident["sha256"] if ident else None,
-        calibrator_sha256=calibrator_sha256,
+        policy=ident.policy if ident is not None else None,
+        policy_sha256=ident.policy_sha256 if ident is not None else None,
+        calibrator_sha256=ident.calibrator_sha256 if ident is not None else None,
         parameter_set=r.scores.parameter_set,
         scores=r.scores.to_dict(with_token_probs=False, with_grad_profile=False),
         risk=r.risk,

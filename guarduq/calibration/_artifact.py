@@ -1,4 +1,5 @@
-"""The calibrator's JSON artifact, as pydantic models: every field checked when an artifact loads.
+"""The calibrator's JSON artifact: its format, as pydantic models (every field checked when an
+artifact loads), reading and checking a file, and the strict JSON it is written in.
 
 Saved as strict JSON (no NaN or infinity). Fields added after version 1 are optional, so older
 artifacts still load and score identically.
@@ -6,15 +7,30 @@ artifacts still load and score identically.
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from guarduq.errors import ArtifactError
+
+FORMAT = "guarduq-calibrator"
+# 2 adds feature_set and logistic.cv; 3 (written only for a within fit) adds logistic.within,
+# so an older guarduq refuses such an artifact as too new instead of calling it corrupt.
+FORMAT_VERSION = 2
+FORMAT_VERSION_WITHIN = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class _ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     name: str | None
     fingerprint: str | None
+    source: str | None = None  # an alias, an absolute path or a hub id: how to load the model again
 
 
 class _Scaler(BaseModel):
@@ -96,3 +112,46 @@ class Artifact(BaseModel):
     evaluation_data: dict[str, list[Any]] | None = None
     reference: dict[str, list[float]] | None = None  # fit-split quantiles for drift checks
     cascade: _Cascade | None = None  # set on a cascade's second stage only
+
+
+def read_artifact(path: Path) -> tuple[Artifact, bytes]:
+    """The checked artifact at ``path`` and its bytes (whose sha256 names it); an
+    ``ArtifactError`` that says what is wrong with the file otherwise."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"calibrator file not found: {path}") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read calibrator {path}: {exc}") from exc
+    except ValueError as exc:  # a NUL or a lone surrogate in the path
+        raise ArtifactError(f"cannot read calibrator {str(path)!r}: {exc}") from exc
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path} is not valid JSON (corrupt calibrator?): {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ArtifactError(f"{path} is not a guarduq calibrator (format != {FORMAT!r})")
+    if doc.get("format_version") not in READABLE_VERSIONS:
+        raise ArtifactError(
+            f"{path} has calibrator format version {doc.get('format_version')!r}; this guarduq "
+            f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
+        )
+    try:
+        return Artifact.model_validate(doc), raw
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ArtifactError(f"{path}: corrupt calibrator at '{where}': {first['msg']}") from exc
+
+
+def strict_json(obj: Any) -> Any:
+    """Replace NaN/inf by None so artifacts stay strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict_json(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return strict_json(obj.item())
+    return obj

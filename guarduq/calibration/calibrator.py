@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import ValidationError
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedKFold
 from sklearn.preprocessing import StandardScaler
@@ -46,7 +45,15 @@ from sklearn.preprocessing import StandardScaler
 from guarduq._logging import get_logger
 from guarduq._storage import write_atomic
 from guarduq._version import __version__
-from guarduq.calibration._artifact import Artifact
+from guarduq.calibration._artifact import (  # noqa: F401 - the format's names, re-exported
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSION_WITHIN,
+    READABLE_VERSIONS,
+    Artifact,
+    read_artifact,
+    strict_json,
+)
 from guarduq.calibration.drift import drift_features, reference_quantiles
 from guarduq.calibration.features import (
     COSTLY,
@@ -76,12 +83,6 @@ from guarduq.scoring.parameters import ALL_PARAMETERS, parse_parameter_set
 
 log = get_logger("calibration")
 
-FORMAT = "guarduq-calibrator"
-# 2 adds feature_set and logistic.cv; 3 (written only for a within fit) adds logistic.within,
-# so an older guarduq refuses such an artifact as too new instead of calling it corrupt.
-FORMAT_VERSION = 2
-FORMAT_VERSION_WITHIN = 3
-READABLE_VERSIONS = (1, 2, 3)
 MIN_FIT_ITEMS = 10
 # Candidate L2 strengths for cross-validation, fixed before seeing data (1e-3 = a strong prior
 # toward "risk = base rate", 100 = almost unregularised).
@@ -101,7 +102,8 @@ class Calibrator:
     strength, or ``"cv"`` to choose it from ``cv_grid`` by stratified ``cv_folds``-fold
     cross-validation), ``within_groups`` (learn each feature's direction inside the groups given
     to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`), and the
-    model's ``model_name`` / ``model_fingerprint`` the artifact is bound to. Fitted state ends in
+    model's ``model_name`` / ``model_fingerprint`` the artifact is bound to, and ``model_source``
+    (an alias, an absolute path or a hub id) that loads that model again. Fitted state ends in
     ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
     within, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
     any other set are refused, as their epistemic is another quantity).
@@ -117,6 +119,7 @@ class Calibrator:
         within_groups: bool = False,
         model_name: str | None = None,
         model_fingerprint: str | None = None,
+        model_source: str | None = None,
     ) -> None:
         self.feature_set, self.features = resolve_features(features)
         if C != "cv" and not (isinstance(C, int | float) and C > 0):
@@ -131,6 +134,7 @@ class Calibrator:
         self.within_groups = bool(within_groups)
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
+        self.model_source = model_source  # how to load the model again: an alias, a path, a hub id
         self.thresholds_: list[Threshold] = []
         self.group_thresholds_: dict[str, list[Threshold]] = {}  # per traffic group (groups.py)
         self.metrics_: dict[str, Any] = {}
@@ -402,15 +406,19 @@ class Calibrator:
 
     # -- model binding
 
-    def check_model(self, fingerprint: str | None, *, allow_mismatch: bool = False) -> None:
-        """Refuse to serve a model whose weights differ from the ones this was fitted on."""
+    def check_model(self, fingerprint: str | None, *, model_name: str | None = None,
+                    allow_mismatch: bool = False, hint: str = "") -> None:
+        """Refuse to serve a model whose weights differ from the ones this was fitted on; the
+        message names both models (``model_name``: the one at hand, when known)."""
         if fingerprint is None or self.model_fingerprint is None:
             return
         if fingerprint != self.model_fingerprint:
+            this = f"model '{model_name}'" if model_name else "this model"
             msg = (
                 f"calibrator was fitted for model '{self.model_name}' (fingerprint "
-                f"{self.model_fingerprint}), not for this one (fingerprint {fingerprint}); raw "
-                "scores do not transfer across models - fit a calibrator for this model"
+                f"{self.model_fingerprint}), not for {this} (fingerprint {fingerprint}); raw "
+                f"scores do not transfer across models: {hint or 'fit a calibrator for ' + this} "
+                "(guarduq calibrate --model ...)"
             )
             if not allow_mismatch:
                 raise FingerprintMismatchError(msg)
@@ -432,7 +440,8 @@ class Calibrator:
             "format_version": FORMAT_VERSION if self.groups_ is None else FORMAT_VERSION_WITHIN,
             "guarduq_version": __version__,
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
-            "model": {"name": self.model_name, "fingerprint": self.model_fingerprint},
+            "model": {"name": self.model_name, "fingerprint": self.model_fingerprint,
+                      **({"source": self.model_source} if self.model_source else {})},
             "features": list(self.features),
             "feature_set": self.feature_set,
             "parameter_set": self.parameter_set_,
@@ -449,7 +458,7 @@ class Calibrator:
             "thresholds": [asdict(t) for t in self.thresholds_],
             **({"group_thresholds": {g: [asdict(t) for t in ts] for g, ts in self.group_thresholds_.items()}}
                if self.group_thresholds_ else {}),
-            "metrics": _jsonable(self.metrics_),
+            "metrics": strict_json(self.metrics_),
             "datasets": self.datasets_,
             "split": self.split_,
             "evaluation_data": self.evaluation_.data_dict()
@@ -474,40 +483,21 @@ class Calibrator:
         path: str | os.PathLike[str],
         expected_fingerprint: str | None = None,
         allow_mismatch: bool = False,
+        expected_model: str | None = None,
     ) -> Calibrator:
-        """Read an artifact; ``FingerprintMismatchError`` if it belongs to another model.
+        """Read an artifact; ``FingerprintMismatchError`` if it belongs to another model, naming
+        both (``expected_model``: the name of the model at hand) and, where a calibrator named for
+        that model sits beside this one (``policies/calibrators/<model>.json``), that file.
 
         ``allow_mismatch=True`` loads it anyway and logs a warning (scores will be miscalibrated).
         """
         path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise ArtifactError(f"calibrator file not found: {path}") from None
-        except OSError as exc:
-            raise ArtifactError(f"cannot read calibrator {path}: {exc}") from exc
-        except ValueError as exc:  # a NUL or a lone surrogate in the path
-            raise ArtifactError(f"cannot read calibrator {str(path)!r}: {exc}") from exc
-        try:
-            doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ArtifactError(f"{path} is not valid JSON (corrupt calibrator?): {exc}") from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ArtifactError(f"{path} is not a guarduq calibrator (format != {FORMAT!r})")
-        if doc.get("format_version") not in READABLE_VERSIONS:
-            raise ArtifactError(
-                f"{path} has calibrator format version {doc.get('format_version')!r}; this guarduq "
-                f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
-            )
-        try:
-            art = Artifact.model_validate(doc)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ArtifactError(f"{path}: corrupt calibrator at '{where}': {first['msg']}") from exc
+        art, raw = read_artifact(path)
         self = cls._from_artifact(art, path)
         self._sha256 = hashlib.sha256(raw).hexdigest()
-        self.check_model(expected_fingerprint, allow_mismatch=allow_mismatch)
+        sibling = path.with_name(f"{expected_model}.json") if expected_model and "/" not in expected_model else None
+        hint = f"pass {sibling}, fitted for it" if sibling and sibling != path and sibling.is_file() else ""
+        self.check_model(expected_fingerprint, model_name=expected_model, allow_mismatch=allow_mismatch, hint=hint)
         return self
 
     @classmethod
@@ -524,6 +514,7 @@ class Calibrator:
                 C=art.logistic.C if art.logistic.cv is None else "cv",
                 model_name=art.model.name,
                 model_fingerprint=art.model.fingerprint,
+                model_source=art.model.source,
             )
         except CalibrationError as exc:
             raise ArtifactError(f"{path}: {exc}") from exc
@@ -592,19 +583,6 @@ def _as_float(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _jsonable(obj: Any) -> Any:
-    """Replace NaN/inf by None so artifacts stay strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return _jsonable(obj.item())
-    return obj
 
 
 def _parameter_set(s: ScoreLike) -> str:

@@ -102,7 +102,8 @@ def fit_second_stage(
     r_fit = first.predict_risk(fit_scores)
     band = choose_band(r_fit, lower, share)
     inside = band.contains(r_fit)
-    second = Calibrator(features, C=C, model_name=first.model_name, model_fingerprint=first.model_fingerprint)  # type: ignore[arg-type]
+    second = Calibrator(features, C=C, model_name=first.model_name, model_fingerprint=first.model_fingerprint,
+                        model_source=first.model_source)  # type: ignore[arg-type]
     fit_rows = with_first_risk(fit_scores, r_fit)
     second.fit([s for s, k in zip(fit_rows, inside, strict=True) if k],
                [y for y, k in zip(fit_labels, inside, strict=True) if k])

@@ -506,7 +506,7 @@ def _agreement(op: Any, response: str, stop_strings: Sequence[str]) -> float:
     the next made-up question would count towards agreement."""
     if not stop_strings or op.answer is None:
         return float(bool(op.agrees))
-    from guarduq.calibration.labels import same_answer
+    from guarduq.answers import same_answer
     from guarduq.scoring.baselines import cut_at_stops
 
     return float(same_answer(cut_at_stops(op.answer, stop_strings), cut_at_stops(response, stop_strings)))

@@ -46,6 +46,18 @@ def _log_epistemic(s: Mapping[str, Any]) -> float:
     return math.log(max(e, EPISTEMIC_FLOOR)) if e >= 0 else math.nan
 
 
+def _log_epistemic_norm(s: Mapping[str, Any]) -> float:
+    """log ||grad log p̄||² = log ||grad p̄||² - 2 log p̄ (chain rule: grad log p̄ = grad p̄ / p̄).
+
+    ``grad p̄`` is a mean of ``p_t grad log p_t``, so its norm grows with the answer's own
+    probability; dividing by p̄² asks whether the parameters are unsure beyond that confidence.
+    """
+    e, p = float(_get(s, "epistemic")), float(_get(s, "mean_token_prob"))
+    if e < 0 or not p > 0:
+        return math.nan
+    return math.log(max(e, EPISTEMIC_FLOOR)) - 2 * math.log(max(p, PROB_FLOOR))
+
+
 def _logit(p: float) -> float:
     """log(p / (1 - p)), with p kept inside [PROB_FLOOR, 1 - PROB_FLOOR] (a risk of exactly 0 or 1)."""
     if not 0 <= p <= 1:
@@ -121,6 +133,7 @@ def _third(s: Mapping[str, Any], which: int) -> float:
 FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
     # the paper's pair
     "log_epistemic": _log_epistemic,
+    "log_epistemic_norm": _log_epistemic_norm,
     "aleatoric": lambda s: float(_get(s, "aleatoric")),
     # likelihood of the answer, from the same forward pass
     "mean_logprob": lambda s: float(_get(s, "mean_logprob")),
@@ -150,6 +163,7 @@ FEATURES: dict[str, Callable[[Mapping[str, Any]], float]] = {
 # One line per feature: what it is and why it is there.
 FEATURE_DOCS: dict[str, str] = {
     "log_epistemic": "log ||grad p̄||²: the paper's epistemic score; log, as it spans decades",
+    "log_epistemic_norm": "log ||grad log p̄||² = log ||grad p̄||² - 2 log p̄: epistemic net of confidence",
     "aleatoric": "p̄(1-p̄): the paper's aleatoric score (peaks at p̄ = 0.5, so not monotone in p̄)",
     "mean_logprob": "mean log p(token): how likely the model finds its own answer (-log perplexity)",
     "log_min_token_prob": "log of the least likely token: one invented token sinks a fact",
@@ -175,6 +189,7 @@ FEATURE_DOCS: dict[str, str] = {
 # convention, so an AUROC below 0.5 means the opposite direction).
 ORIENTATION: dict[str, int] = {
     "log_epistemic": 1,
+    "log_epistemic_norm": 1,
     "aleatoric": 1,
     "mean_logprob": -1,
     "log_min_token_prob": -1,
@@ -241,7 +256,7 @@ DEFAULT_FEATURES: tuple[str, ...] = FEATURE_SETS[DEFAULT_FEATURE_SET]
 # ----------------------------------------------------------------------------- cost per answer
 
 # Features that need the backward pass; every other free feature comes from the forward alone.
-GRADIENT_FEATURES: frozenset[str] = frozenset({"log_epistemic", *GRAD_PROFILE})
+GRADIENT_FEATURES: frozenset[str] = frozenset({"log_epistemic", "log_epistemic_norm", *GRAD_PROFILE})
 
 
 @dataclass(frozen=True)

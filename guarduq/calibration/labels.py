@@ -3,28 +3,15 @@ rule), is a multiple-choice pick the key. The loaders in ``datasets`` build the 
 
 from __future__ import annotations
 
-import re
-import string
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from guarduq.answers import normalize_answer, same_answer  # noqa: F401  (re-exported: the old path works)
 from guarduq.errors import DatasetError
 
 if TYPE_CHECKING:
     from guarduq.calibration.datasets import Item
-
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
-_PUNCT = set(string.punctuation) | {"‘", "’", "“", "”", "–", "—", "´"}
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD's normalisation: lower case, drop punctuation and articles, squeeze whitespace."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
 
 
 def alias_match(response: str, aliases: Sequence[str]) -> bool:
@@ -77,17 +64,3 @@ def label_choice(item: Item, index: int) -> int:
     if item.kind != "mc" or item.answer_index is None:
         raise DatasetError(f"item {item.id} is not a multiple-choice item")
     return int(index == item.answer_index)
-
-
-def _answer_words(text: str) -> list[str]:
-    return re.sub(r"[^\w\s]", " ", text.casefold()).split()
-
-
-def same_answer(answer: str, response: str) -> bool:
-    """Loose agreement: after lower-casing and dropping punctuation, the shorter word sequence
-    occurs contiguously in the longer one ("Paris" agrees with "The capital is Paris.")."""
-    a, r = _answer_words(answer), _answer_words(response)
-    if not a or not r:
-        return False
-    short, long = sorted((a, r), key=len)
-    return any(long[i : i + len(short)] == short for i in range(len(long) - len(short) + 1))

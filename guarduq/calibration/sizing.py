@@ -126,3 +126,24 @@ def labels_needed(alpha: float, delta: float, threshold_fraction: float, error_r
     if at_rate is None:
         return None
     return math.ceil(max(at_rate, start_size(alpha, delta)) / threshold_fraction)
+
+
+def uncertified_reason(
+    alpha: float, delta: float, threshold_fraction: float, *, n_labels: int, n_threshold: int,
+    threshold_errors: int, unit: str = "labelled answers",
+) -> str:
+    """Why ``alpha`` got no certified threshold, in words with the figures: how many more
+    ``unit`` (labels in all, or of the uniform sample for reviews) it needs at the threshold
+    split's observed error rate, or that no number of them suffices at that rate."""
+    rate = threshold_errors / n_threshold if n_threshold else 0.0
+    need = labels_needed(alpha, delta, threshold_fraction, rate)
+    if need is None:
+        return (f"alpha={alpha:g}: the threshold split is wrong {rate:.0%} of the time, at or above "
+                "alpha, so no number of labels can certify it at this error rate (only a risk model "
+                "that sets apart answers with fewer errors can)")
+    if n_labels < need:
+        return (f"alpha={alpha:g}: about {need - n_labels} more {unit} needed ({need} in all at the "
+                f"observed error rate {rate:.0%}, delta={delta:g}; there are {n_labels})")
+    return (f"alpha={alpha:g}: {n_labels} {unit} would be enough at the observed error rate {rate:.0%} "
+            f"({need} needed), but the test stopped at its first failure among the lowest risks "
+            "(confidently wrong answers there); more labels make such a stop less likely")

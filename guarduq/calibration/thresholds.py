@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from guarduq.errors import CalibrationError
 
@@ -46,13 +45,21 @@ class Threshold:
         return self.threshold is not None
 
 
+def _stats() -> Any:
+    """``scipy.stats``, imported on first use: it takes ~0.8 s, and the review page's progress
+    (``calibration.sizing``) imports this module."""
+    from scipy import stats
+
+    return stats
+
+
 def clopper_pearson_upper(errors: int, n: int, delta: float) -> float:
     """One-sided exact (1 - delta) upper confidence bound on a binomial error rate."""
     if n == 0:
         return 1.0
     if errors >= n:
         return 1.0
-    return float(stats.beta.ppf(1 - delta, errors + 1, n - errors))
+    return float(_stats().beta.ppf(1 - delta, errors + 1, n - errors))
 
 
 def default_grid() -> np.ndarray:
@@ -64,7 +71,7 @@ def start_size(alpha: float, delta: float) -> int:
     """Smallest n at which k = floor(n * alpha / 2) errors would pass the exact binomial test."""
     _check_targets(alpha, delta)
     n = math.ceil(math.log(delta) / math.log(1 - alpha))  # zero errors pass from here on
-    while stats.binom.cdf(math.floor(n * alpha / 2), n, alpha) > delta:
+    while _stats().binom.cdf(math.floor(n * alpha / 2), n, alpha) > delta:
         n += 1
     return n
 
@@ -109,7 +116,7 @@ def start_threshold(
     ok = n_acc >= max(start_size(alpha, delta), math.ceil(min_share * np.asarray(risk).size))
     if not ok.any():
         return None
-    pvals = np.where(ok, stats.binom.cdf(k_acc, np.maximum(n_acc, 1), alpha), np.inf)
+    pvals = np.where(ok, _stats().binom.cdf(k_acc, np.maximum(n_acc, 1), alpha), np.inf)
     return float(grid[int(np.argmin(pvals))])
 
 
@@ -119,7 +126,7 @@ def _fixed_sequence(
     """Test grid points ``idx`` in order at level delta; the last rejected before the first failure."""
     if not idx.size:
         return None
-    failed = np.flatnonzero(stats.binom.cdf(k_acc[idx], n_acc[idx], alpha) > delta)
+    failed = np.flatnonzero(_stats().binom.cdf(k_acc[idx], n_acc[idx], alpha) > delta)
     last = failed[0] - 1 if failed.size else idx.size - 1
     return int(idx[last]) if last >= 0 else None
 

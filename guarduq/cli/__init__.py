@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from guarduq._logging import configure_cli_logging
 from guarduq.cli._help import with_example
+from guarduq.cli._run import apply_threads
 from guarduq.errors import GuardUQError
 
 # Modules that define ``register(subparsers)``; each sets ``func`` on its parsers.
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
+        apply_threads(getattr(args, "threads", None))
         return int(args.func(args) or 0)
     except GuardUQError as exc:
         print(f"guarduq: error: {exc}", file=sys.stderr)

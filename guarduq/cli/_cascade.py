@@ -18,6 +18,7 @@ from guarduq.calibration.cascade import (
     with_first_risk,
 )
 from guarduq.calibration.reviews import REVIEWS
+from guarduq.cli._certify import check_certified
 from guarduq.cli._scoring import (
     _check_outputs,
     _json_default,
@@ -62,6 +63,8 @@ def _cmd_cascade(args: argparse.Namespace, C: float | str, alphas: Sequence[floa
             parts[split(r)].append(r)
     second = fit_second_stage(first, *_xy(parts["fit"])[:2], *_xy(parts["threshold"])[:2], alpha=alpha,
                               delta=args.delta, share=args.band_share, features=features, C=C)
+    check_certified(args, args.out, second.thresholds_,
+                    [f"second stage, alpha={t.alpha:g}: {t.message}" for t in second.thresholds_ if not t.met])
     second.split_ = fractions
     second.datasets_ = [ds.describe() for ds in datasets]
     band = band_of(second)

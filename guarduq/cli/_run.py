@@ -18,6 +18,7 @@ def run_args(p: argparse.ArgumentParser, *, ray: bool = True) -> None:
                    help="items per batched generate/forward/backward (default 8; 1 = one at a time)")
     p.add_argument("--device", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16; scores stay fp32/fp64")
+    threads_arg(p)
     parameter_set_arg(p)
     if ray:
         p.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
@@ -25,6 +26,23 @@ def run_args(p: argparse.ArgumentParser, *, ray: bool = True) -> None:
                             "at ADDRESS ('auto', 'ray://host:10001'); needs pip install 'guarduq[ray]'")
         p.add_argument("--ray-cpus-per-actor", type=int, default=4,
                        help="CPU cores per actor when the cluster has no GPU (default 4)")
+
+
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads torch may use (default: torch's own, one per core); 1 leaves "
+                        "the other cores to other work, at the cost of speed")
+
+
+def apply_threads(threads: int | None) -> None:
+    """``torch.set_num_threads`` for ``--threads`` (torch imported only when it is given)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise InputError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def parameter_set_arg(p: argparse.ArgumentParser) -> None:

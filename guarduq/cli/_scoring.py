@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guarduq._storage import private_file
 from guarduq.calibration.datasets import Dataset, load_dataset
 from guarduq.calibration.features import SVE, SVEShape
 from guarduq.calibration.reviews import REVIEWS
@@ -134,6 +135,8 @@ def _score_all(
         records = []
         for ds in datasets:
             cache = args.cache or _default_cache(args.runs_dir, guard.info.name, ds)
+            if ds.name == REVIEWS:  # the cache holds the replies' text too
+                private_file(Path(cache))
             recs = score_dataset(
                 guard,
                 ds.items,
@@ -170,7 +173,8 @@ def _check_outputs(args: argparse.Namespace, *outputs: Path | None) -> None:
 
 def _default_cache(runs_dir: Path, model_name: str, ds: Dataset) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("_") or "model"
-    return runs_dir / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
+    base = runs_dir / REVIEWS if ds.name == REVIEWS else runs_dir  # text stays in the private folder
+    return base / "cache" / safe / f"{ds.name}-{ds.sha256[:12]}-{ds.prompt_style}.jsonl"
 
 
 def _splitter(datasets: Sequence[Dataset], fractions: dict[str, float]) -> Callable[[Any], str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from guarduq.calibration.reviews import (
     weights_summary,
 )
 from guarduq.cli._cascade import _cmd_cascade
+from guarduq.cli._certify import allow_uncertified_arg, check_certified, reasons_for
 from guarduq.cli._help import with_example
 from guarduq.cli._run import run_args
 from guarduq.cli._scoring import (
@@ -56,6 +58,7 @@ from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
 DEFAULT_ALPHAS = (0.1, 0.2, 0.3)
+DEFAULT_FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -96,9 +99,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--band-share", type=float, default=DEFAULT_SHARE,
                    help="with --cascade-on: the share of answers that pay for the second opinion "
                    "(default 1/3)")
-    c.add_argument("--test-fraction", type=float, default=0.3)
-    c.add_argument("--threshold-fraction", type=float, default=0.3)
-    c.add_argument("--out", type=Path, required=True, help="calibrator JSON to write")
+    c.add_argument("--test-fraction", type=float,
+                   help=f"share held out to measure the calibrator (default {DEFAULT_FRACTIONS['test_fraction']:g}, "
+                   "or the --policy's review.test_fraction)")
+    c.add_argument("--threshold-fraction", type=float,
+                   help="share the thresholds are certified on (default "
+                   f"{DEFAULT_FRACTIONS['threshold_fraction']:g}, or the --policy's review.threshold_fraction)")
+    c.add_argument("--policy", type=Path, metavar="FILE",
+                   help="--dataset reviews: the policy whose review section gives the split fractions "
+                   "(the review page's progress line counts with the same) and whose alpha is the "
+                   "default --alpha")
+    c.add_argument("--out", type=Path, required=True,
+                   help="calibrator JSON to write (left alone when no --alpha is certified)")
+    allow_uncertified_arg(c)
     c.add_argument("--report", type=Path, help="also write the HTML report into this folder")
     c.set_defaults(func=_cmd_calibrate)
 
@@ -140,7 +153,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="'fewshot' for base models; 'auto' picks it when the tokenizer has no chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="answer length for QA items")
     p.add_argument("--cache", type=Path, help="scoring cache JSONL (default: under --runs-dir)")
-    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get("GUARDUQ_RUNS", "runs")))
+    p.add_argument("--work", "--runs-dir", dest="runs_dir", type=Path, metavar="DIR",
+                   default=Path(os.environ.get("GUARDUQ_RUNS", "runs")),
+                   help="working folder: the scoring cache, and for --dataset reviews the store's "
+                   "export under DIR/reviews/ (prompt and reply text: files 0600, folder 0700); "
+                   "default ./runs, or $GUARDUQ_RUNS")
     p.add_argument("--skip-malformed", action="store_true", help="skip bad rows instead of failing")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-progress", action="store_true")
@@ -209,6 +226,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from guarduq.calibration.evaluation import summarize
 
     C = _parse_C(args.C)
+    _review_settings(args)
     alphas = tuple(args.alpha or DEFAULT_ALPHAS)
     if args.cascade_on is not None:
         return _cmd_cascade(args, C, alphas)
@@ -231,7 +249,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     ok = [r for r in records if r.usable]
     fractions = {"test_fraction": args.test_fraction, "threshold_fraction": args.threshold_fraction}
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
-    weights = None
+    weights, n_uniform = None, 0
     if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
         parts, weights, n_uniform = review_parts(ok, datasets, fractions, review_progress(args.store))
         check_review_size(parts, n_uniform, alphas, args.delta, fractions)
@@ -250,7 +268,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if rule:
         features = _apply_rule(rule, parts["fit"], C)
     cal = Calibrator(features, C=C, within_groups=args.within_datasets, model_name=guard.info.name,
-                     model_fingerprint=guard.info.fingerprint)
+                     model_fingerprint=guard.info.fingerprint, model_source=guard.info.source)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
     cal.split_ = fractions
@@ -260,6 +278,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
     if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
         cal.group_thresholds_ = group_certificates(cal, parts, datasets, alphas, args.delta)
+    reviews = weights is not None  # labels that count: the uniform sample's
+    check_certified(args, args.out, cal.thresholds_, reasons_for(
+        cal.thresholds_, parts["threshold"], n_labels=n_uniform if reviews else len(ok),
+        threshold_fraction=args.threshold_fraction,
+        unit="labels of the uniform sample" if reviews else "labelled answers"))
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
     summary = summarize(records)
@@ -306,6 +329,28 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     )
     _emit(args, payload, evaluation, header)
     return 0
+
+
+def _review_settings(args: argparse.Namespace) -> None:
+    """Fill --alpha, --test-fraction and --threshold-fraction from --policy (reviews only), else
+    the defaults. One setting: a flag that disagrees with the policy's review section is refused."""
+    review = None
+    if args.policy is not None:
+        if REVIEWS not in args.dataset:
+            raise InputError("--policy goes with --dataset reviews (its review section sets the split)")
+        from guarduq.policy import Policy
+
+        policy = Policy.from_yaml(args.policy)
+        review = policy.config.review
+        if not args.alpha and policy.alpha is not None:
+            args.alpha = [policy.alpha]
+    for name, default in DEFAULT_FRACTIONS.items():
+        given, setting = getattr(args, name), getattr(review, name, None)
+        if given is not None and setting is not None and not math.isclose(given, setting):
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} {given:g} disagrees with {args.policy}'s review.{name} {setting:g}, "
+                             f"which the review page counts with: drop {flag} or edit the policy")
+        setattr(args, name, next(v for v in (given, setting, default) if v is not None))
 
 
 def _apply_rule(rule: str, fit: Sequence[Any], C: float | str) -> tuple[str, ...]:
@@ -372,7 +417,7 @@ def _coef_text(cal: Calibrator) -> str:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
     _check_outputs(args)
-    spec = args.model or cal.model_name
+    spec = args.model or cal.model_source or cal.model_name  # older artifacts record the name only
     if not spec:
         raise InputError("the calibrator names no model; pass --model")
     if args.parameter_set is None:  # score over the parameters the calibrator was fitted on
@@ -381,7 +426,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     guard, datasets, records = _score_all(  # refuse another model's calibrator before scoring
         args,
         spec,
-        lambda g: cal.check_model(g.info.fingerprint, allow_mismatch=args.allow_mismatch),
+        lambda g: cal.check_model(g.info.fingerprint, model_name=g.info.name, allow_mismatch=args.allow_mismatch),
         p_true="p_true" in cal.features,
         sve=sve,
     )

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from guarduq._storage import private_file
 from guarduq.calibration.reviews import REVIEWS
 from guarduq.errors import InputError
 
@@ -21,8 +22,9 @@ __all__ = ["REVIEWS", "parse_since", "review_data_file", "review_progress"]
 
 
 def review_data_file(store_url: str | None, since_text: str | None, runs_dir: str | os.PathLike[str]) -> Path:
-    """The store's labelled reviews, exported once to ``runs/reviews/`` (named by content, so
-    the scoring cache is reused while the labels are unchanged)."""
+    """The store's labelled reviews, exported once to ``WORK/reviews/`` (``--work``, default
+    ``./runs``; named by content, so the scoring cache is reused while the labels are unchanged).
+    The file holds prompt and reply text: it is written 0600 in a 0700 folder."""
     from guarduq.store import Store
 
     if not store_url:
@@ -43,9 +45,9 @@ def review_data_file(store_url: str | None, since_text: str | None, runs_dir: st
         )
     text = buf.getvalue().encode()
     path = Path(runs_dir) / REVIEWS / f"reviews-{hashlib.sha256(text).hexdigest()[:16]}.jsonl"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
+    private_file(path)  # prompt and reply text: owner only (0600, in a 0700 folder)
+    if path.stat().st_size != len(text):
+        tmp = private_file(path.with_suffix(f".tmp{os.getpid()}"))
         tmp.write_bytes(text)
         os.replace(tmp, path)
     return path

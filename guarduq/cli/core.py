@@ -20,6 +20,7 @@ from guarduq.cli._run import (
     parameter_set_arg,
     run_args,
     sve_arg,
+    threads_arg,
 )
 from guarduq.errors import DatasetError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -79,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", help="cpu (default), cuda or cuda:N")
     g.add_argument("--dtype", help="model weights: float32 (default), bf16 or fp16")
+    threads_arg(g)
     parameter_set_arg(g)
     g.set_defaults(func=_cmd_generate)
 
@@ -87,6 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--model", default=DEFAULT_MODEL)
     d.add_argument("--max-new-tokens", type=int, default=40)
     d.add_argument("--policy", type=Path, help="apply a YAML policy (e.g. policies/default.yaml)")
+    threads_arg(d)
     sve_arg(d)
     d.set_defaults(func=_cmd_demo)
 

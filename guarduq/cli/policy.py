@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.cli._help import with_example
-from guarduq.cli._run import open_guard, sve_arg
+from guarduq.cli._run import open_guard, sve_arg, threads_arg
 from guarduq.policy import Policy, validate_policy_text
 from guarduq.policy.certified import ThresholdReport, check_policy_thresholds
 
@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--response", help="score this response instead of generating one")
     e.add_argument("--model", help="alias, folder, hub id or .gguf (default: the default model)")
     e.add_argument("--calibrator", type=Path, help="override the policy's calibrator path")
+    threads_arg(e)
     sve_arg(e)
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--json", action="store_true", help="print one JSON object")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from guarduq.cli._help import with_example
-from guarduq.cli.serve import api_keys_from_env, check_bind
+from guarduq.cli.serve import api_keys_from_env, check_bind, review_fraction
 from guarduq.errors import GuardUQError, InputError
 
 if TYPE_CHECKING:
@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", type=Path, help="YAML policy whose alpha the progress line counts towards")
     p.add_argument("--alpha", type=float, help="the target error rate to count towards (overrides --policy's)")
     p.add_argument("--delta", type=float, default=0.1, help="the certificate's confidence is 1 - delta")
-    p.add_argument("--threshold-fraction", type=float, default=0.3,
-                   help="share of labels guarduq calibrate puts in its threshold split (its default)")
+    p.add_argument("--threshold-fraction", type=float,
+                   help="share of the uniform labels guarduq calibrate certifies on (default: the "
+                        "--policy's review.threshold_fraction, which calibrate --policy uses too; else 0.3)")
     p.add_argument("--reviewer", default="reviewer", help="name stored with labels when a reviewer gives none")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_review)
@@ -48,13 +49,15 @@ def review_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> ReviewPa
     """``ReviewPageSettings`` from the parsed flags (also used by ``guarduq serve --review``)."""
     from guarduq.review import ReviewPageSettings
 
-    alpha = args.alpha
-    if alpha is None and getattr(args, "policy", None) is not None:
+    alpha, policy = args.alpha, None
+    if getattr(args, "policy", None) is not None:
         from guarduq.policy import Policy
 
-        alpha = Policy.from_yaml(args.policy).alpha
+        policy = Policy.from_yaml(args.policy)
+        alpha = policy.alpha if alpha is None else alpha
+    fraction = getattr(args, "threshold_fraction", None)
     return ReviewPageSettings(api_keys=keys, alpha=alpha, delta=args.delta,
-                          threshold_fraction=getattr(args, "threshold_fraction", 0.3),
+                          threshold_fraction=review_fraction(policy) if fraction is None else fraction,
                           reviewer_default=getattr(args, "reviewer", "reviewer"),
                           allow_unauthenticated_remote=args.allow_unauthenticated_remote,
                           csrf_secret=csrf_secret_from_env(getattr(args, "csrf_secret_env", None)))

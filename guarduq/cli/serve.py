@@ -17,6 +17,7 @@ from guarduq.cli._run import (
     parameter_kwargs,
     parameter_set_arg,
     sve_arg,
+    threads_arg,
 )
 from guarduq.errors import GuardUQError, InputError
 from guarduq.models import DEFAULT_MODEL
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        **with_example("guarduq serve --model smollm2-135m-instruct --policy policies/default.yaml "
                                       "--audit audit.jsonl --port 8000"))
     p.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    threads_arg(p)
     parameter_set_arg(p)
     p.add_argument("--policy", type=Path, help="YAML policy (decides what clients see)")
     p.add_argument("--calibrator", type=Path, help="calibrator JSON (default: the policy's)")
@@ -36,7 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep every decided reply, and the policy's review sample, in this database "
                         "(sqlite:///guarduq.db, postgresql://...; replicas may share one PostgreSQL)")
     p.add_argument("--review", action="store_true",
-                   help="serve the reviewers' page under /review (needs --store; same keys as the API)")
+                   help="serve the reviewers' page under /review (needs --store; its own keys: "
+                        "--review-key-env)")
+    p.add_argument("--review-key-env", metavar="VAR",
+                   help="environment variable holding the reviewers' key(s) for /review, comma-separated "
+                        "(API keys do not open /review, review keys open nothing else); needed with "
+                        "--review when the API has keys")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-env", metavar="VAR",
@@ -49,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch-interval", type=float, default=2.0, metavar="S",
                    help="seconds between --watch polls of the files' mtime and size")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
-                   help="bind a non-loopback host without an API key (not recommended)")
+                   help="bind a non-loopback host without an API key, and answer any Host header "
+                        "(without a key every route answers only loopback names; not recommended)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     p.add_argument("--max-body-bytes", type=int, default=1_000_000)
     p.add_argument("--max-messages", type=int, default=64)
@@ -79,6 +87,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--json", action="store_true")
     d.add_argument("--fail-on-alarm", action="store_true", help="exit 1 when any feature is in alarm")
     d.set_defaults(func=_cmd_drift)
+
+
+def review_fraction(policy: Any) -> float:
+    """The threshold fraction the progress line counts with: the policy's ``review`` section,
+    which ``guarduq calibrate --dataset reviews --policy`` splits by too."""
+    from guarduq.policy.schema import ReviewSettings
+
+    review = policy.config.review if policy is not None else ReviewSettings()
+    return float(review.threshold_fraction)
 
 
 def check_bind(host: str, *, has_key: bool, allow_unauthenticated_remote: bool) -> None:
@@ -111,9 +128,28 @@ def api_keys_from_env(var: str | None, flag: str = "--api-key-env") -> tuple[str
     return keys
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def door_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(API, admin, review) keys. A key opens one door only, and reviewers of a server whose API
+    has keys get keys of their own (else /review would answer this machine only)."""
     keys = api_keys_from_env(args.api_key_env)
     admin_keys = api_keys_from_env(args.admin_key_env, "--admin-key-env")
+    review_keys = api_keys_from_env(args.review_key_env, "--review-key-env")
+    if review_keys and not args.review:
+        raise InputError("--review-key-env opens the review page: add --review")
+    if args.review and keys and not review_keys:
+        raise InputError("--review with --api-key-env: give reviewers their own keys with --review-key-env VAR "
+                         "(API keys do not open /review)")
+    doors = {"--api-key-env": set(keys), "--admin-key-env": set(admin_keys), "--review-key-env": set(review_keys)}
+    names = list(doors)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if doors[a] & doors[b]:
+                raise InputError(f"{a} and {b} share a key: each key opens one door only")
+    return keys, admin_keys, review_keys
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    keys, admin_keys, review_keys = door_keys(args)
     if not args.watch_interval > 0:
         raise InputError(f"--watch-interval must be > 0 seconds, got {args.watch_interval}")
     check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
@@ -140,6 +176,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),
         api_keys=keys, admin_keys=admin_keys, reload_on_sighup=True,
+        allow_unauthenticated_remote=args.allow_unauthenticated_remote,
         watch_s=args.watch_interval if args.watch else None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
@@ -152,12 +189,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.review:
         from guarduq.review import ReviewPageSettings, mount_review
 
-        mount_review(app, store, ReviewPageSettings(api_keys=keys, allow_unauthenticated_remote=args.allow_unauthenticated_remote),
-                     alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None)
+        mount_review(app, store, ReviewPageSettings(api_keys=review_keys,
+                                                    allow_unauthenticated_remote=args.allow_unauthenticated_remote),
+                     alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None,
+                     fraction_of=lambda: review_fraction(guard.policy))
+    from guarduq.serve.reload import uncertified
+
+    if (problem := uncertified(guard.decider)) is not None:  # a reload of this pair would be refused
+        print(f"guarduq: WARNING: {problem}", file=sys.stderr, flush=True)
     print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
           f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
           f"auth={'on' if keys else 'off'}  reload=SIGHUP{', --watch' if args.watch else ''}"
           f"{', POST /admin/reload' if admin_keys else ''}"
+          f"{'' if keys or args.allow_unauthenticated_remote else '  host=loopback names only'}"
           f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -24,7 +24,7 @@ from guarduq._storage import check_writable
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES, Item, load_dataset
 from guarduq.calibration.splits import limit_subset, outside_limits
 from guarduq.cli._help import with_example
-from guarduq.cli._run import dataset_limits
+from guarduq.cli._run import dataset_limits, threads_arg
 from guarduq.errors import DatasetError, InputError
 from guarduq.layout import PromptLike, has_chat_template
 from guarduq.models import DEFAULT_MODEL, load_model
@@ -94,6 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "--checkpoint sve.ckpt --out sve.safetensors"),
     )
     t.add_argument("--model", default=DEFAULT_MODEL, help="alias, folder, hub id or .gguf")
+    threads_arg(t)
     t.add_argument("--dataset", action="append", required=True, choices=["sst2", *sorted(DATASETS)],
                    help="sst2 = classification by label words (stands alone); others = LM loss on correct "
                    "answers, repeatable (pairs with --data, in order)")

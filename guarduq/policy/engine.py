@@ -68,6 +68,12 @@ from guarduq.policy.validation import _raise_issues, validate_policy_text
 
 log = get_logger("policy")
 
+# A reply withheld because no threshold is certified at the policy's alpha gets this text, never
+# the rule's own message: that message may quote the risk, which is not the reason here.
+UNCERTIFIED = ("This answer is withheld: the guardrail has no certified risk threshold at alpha "
+               "{alpha:g}, so it cannot let any answer through until its calibrator is refitted "
+               "with enough labelled answers.")
+
 # ---------------------------------------------------------------- decisions
 
 
@@ -381,11 +387,12 @@ class Policy:
         try:
             _check_finite(values, self.signals_used())
             lines: list[str] = []
+            waiting: list[str] = []  # rules left undecided by an uncertified threshold
             if override is not None:
                 rule, checks = override, []
                 lines.append(f"in force: {override_reason or override.name} (the rules are not applied)")
             else:
-                rule, checks = self._first_match(self.config.rules, values, lines, prefix="")
+                rule, checks = self._first_match(self.config.rules, values, lines, prefix="", waiting=waiting)
             so, outer_name = None, None
             if isinstance(rule, SecondOpinionRule):
                 assert provider is not None  # checked above
@@ -398,11 +405,12 @@ class Policy:
                 lines.append(f"second opinion: {summary(so)}"
                              + (f" risk={_fmt(values['so.risk'])}" if self._second is not None else ""))
                 outer, outer_name = rule, rule.name
-                rule, inner_checks = self._first_match(outer.rules, values, lines, prefix=f"{outer.name}/")
+                rule, inner_checks = self._first_match(outer.rules, values, lines, prefix=f"{outer.name}/",
+                                                       waiting=waiting)
                 checks += inner_checks
             return self._finish(rule, outer_name, values, checks, lines, so, response=response, prompt=prompt,
                                 ids={"request_id": request_id, "model_fingerprint": model_fingerprint},
-                                sinks=sinks, risk=risk, threshold=threshold)
+                                sinks=sinks, risk=risk, threshold=threshold, waiting=waiting)
         except _Failure as failure:
             return self._error_decision(str(failure), response=response, risk=risk, threshold=threshold,
                                         escalation=failure.escalation)
@@ -436,8 +444,11 @@ class Policy:
         return values
 
     def _first_match(
-        self, rules: Sequence[Any], values: Mapping[str, Any], lines: list[str], prefix: str
+        self, rules: Sequence[Any], values: Mapping[str, Any], lines: list[str], prefix: str,
+        waiting: list[str] | None = None,
     ) -> tuple[Any, list[Check]]:
+        """The first rule that holds; rules that stay unknown because a threshold they compare
+        with is not certified are added to ``waiting``."""
         for rule in rules:
             checks: list[Check] = []
             result = True if rule.when is None else _evaluate(rule.when, values, checks)
@@ -445,11 +456,15 @@ class Policy:
             lines.append(f"{'match' if result else 'skip '} {prefix}{rule.name}: {detail}")
             if result is True:
                 return rule, checks
+            if result is None and waiting is not None and any(
+                    c.result is None and f"{THRESHOLD} unknown" in c.bound for c in checks):  # so.threshold too
+                waiting.append(f"{prefix}{rule.name}")
         return None, []
 
     def _finish(self, rule: Any, outer_name: str | None, values: Mapping[str, Any], checks: list[Check], lines: list[str],
                 so: SecondOpinion | None, *, response: str, prompt: Any, ids: Mapping[str, Any],
-                sinks: Mapping[str, Any], risk: float | None, threshold: float | None) -> Decision:
+                sinks: Mapping[str, Any], risk: float | None, threshold: float | None,
+                waiting: Sequence[str] = ()) -> Decision:
         template_values = {k.replace(".", "_"): v for k, v in values.items()}
         template_values[THRESHOLD] = values.get(THRESHOLD_SIGNAL)
         template_values["so_threshold"] = values.get(SO_THRESHOLD_SIGNAL)
@@ -468,6 +483,10 @@ class Policy:
             text = render_template(rule.message, template_values) if rule.hold else response
             # an override without a sink: withheld for the review queue only (no delivery)
             escalation = EscalationInfo(rule.sink, rule.hold, delivered=False) if rule.sink else None
+        if waiting and not shown:  # withheld for want of a certificate: say so, quote no risk
+            text = UNCERTIFIED.format(alpha=self.alpha)
+            lines.append(f"withheld because no threshold is certified at alpha {self.alpha:g} "
+                         f"({', '.join(waiting)} could not decide); the reply says so")
         decision = Decision(
             action=action, text=text, shown=shown, rule=name, explanation="", checks=tuple(checks),
             risk=risk, threshold=threshold, escalation=escalation, second_opinion=so,

@@ -287,6 +287,19 @@ class ReviewSettings(_Strict):
     rate: float = Field(0.0, ge=0, le=1, description="uniform sampling rate over all replies")
     escalations: bool = Field(True, description="sample every escalated reply")
     bands: list[RiskBand] = Field(default_factory=list)
+    # How `guarduq calibrate --dataset reviews --policy FILE` splits the uniform labels, and so how
+    # many the review page's progress line says the alpha needs: one setting for both.
+    threshold_fraction: float = Field(0.3, gt=0, lt=1, description="share of the uniform labels the "
+                                      "certificate rests on (calibrate's threshold split)")
+    test_fraction: float = Field(0.3, ge=0, lt=1, description="share of the uniform labels held out to "
+                                 "measure the calibrator (calibrate's test split)")
+
+    @model_validator(mode="after")
+    def _fractions(self) -> ReviewSettings:
+        if self.threshold_fraction + self.test_fraction >= 1:
+            raise ValueError(f"threshold_fraction + test_fraction must be < 1 (the rest fits the risk "
+                             f"model), got {self.threshold_fraction} + {self.test_fraction}")
+        return self
 
 
 DEFAULT_UNMEASURED = ("This question is of a kind the answer checks were not measured on, so the answer "

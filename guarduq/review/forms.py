@@ -7,6 +7,7 @@ a ``PageError`` (400) whose message names the field and what it accepts, never a
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode
@@ -14,7 +15,8 @@ from urllib.parse import parse_qsl, urlencode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from guarduq.policy.schema import ACTIONS
-from guarduq.store.records import LABELS, REASONS
+from guarduq.store.records import LABELS, REASONS, Label, Reason
+from guarduq.store.records import Filters as Selection
 
 MAX_NOTE = 4_000
 MAX_CORRECTED = 10_000  # the store's limit on a note or corrected reply
@@ -48,12 +50,12 @@ class Filters(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    reason: Literal["escalation", "uniform", "band", "drift"] | None = None
-    action: Literal["allow", "abstain", "escalate", "second_opinion"] | None = None
+    reason: Reason | None = None
+    action: Literal[ACTIONS] | None = None  # the choices are policy.schema.ACTIONS
     risk_min: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     risk_max: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     labelled: bool | None = None
-    current: Literal["right", "wrong", "unsure"] | None = None  # the current label is this
+    current: Label | None = None  # the current label is this
     group: str | None = Field(None, min_length=1, max_length=64)  # the replies' traffic group
     unlabelled_first: bool = True
 
@@ -71,15 +73,19 @@ class Filters(BaseModel):
             raise ValueError(f"risk_min {self.risk_min} is above risk_max {self.risk_max}")
         return self
 
+    def selection(self) -> Selection:
+        """The store's ``Filters`` these select (``Store.queue``/``count``/``next_unlabelled``)."""
+        return Selection(reason=self.reason, action=self.action, risk_min=self.risk_min,
+                         risk_max=self.risk_max, labelled=self.labelled, label=self.current,
+                         group=self.group)
+
     def store_filters(self) -> dict[str, Any]:
-        """Keyword arguments for ``Store.queue``/``count``."""
-        return {"reason": self.reason, "action": self.action, "risk_min": self.risk_min,
-                "risk_max": self.risk_max, "labelled": self.labelled, "label": self.current, "group": self.group}
+        """``selection()`` as keyword arguments for ``Store.queue``/``count``."""
+        return asdict(self.selection())
 
     def next_filters(self) -> dict[str, Any]:
         """Keyword arguments for ``Store.next_unlabelled`` (which is unlabelled by definition)."""
-        return {"reason": self.reason, "action": self.action, "risk_min": self.risk_min,
-                "risk_max": self.risk_max, "group": self.group}
+        return {k: v for k, v in self.store_filters().items() if k not in ("labelled", "label")}
 
     def carried(self) -> Filters:
         """Just the filters (a form or page model carries more fields)."""
@@ -133,7 +139,7 @@ class LabelForm(Filters):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    label: Literal["right", "wrong", "unsure"]
+    label: Label
     note: str | None = Field(None, max_length=MAX_NOTE)
     corrected: str | None = Field(None, max_length=MAX_CORRECTED)
     csrf: str = Field(max_length=200)

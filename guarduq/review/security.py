@@ -24,13 +24,15 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from guarduq._http import is_loopback
+from guarduq._http import host_name, not_local  # noqa: F401 - host_name: its old import path
 from guarduq.review.forms import PageError
 
 CSRF_COOKIE = "guarduq_review_csrf"
 REVIEWER_COOKIE = "guarduq_reviewer"
 REALM = "guarduq review"
-CSRF_KEY_LABEL = b"guarduq review csrf secret v1"  # domain separation for csrf_secret_from_keys
+CSRF_KEY_LABEL = b"guarduq review csrf secret v1"
+KEY_HINT = ("give reviewers keys to open it to others (guarduq review --api-key-env VAR; "
+            "guarduq serve --review-key-env VAR)")  # domain separation for csrf_secret_from_keys
 
 # Scripts and styles come from the page's own origin only (no inline code), so an answer that
 # smuggled markup past the escaping still could not run; nothing may frame the page.
@@ -59,19 +61,17 @@ def authenticate(request: Request, api_keys: tuple[str, ...], *, allow_remote: b
     if not api_keys:
         if allow_remote:
             return Caller()
-        host = request.client.host if request.client else None
-        if not is_loopback(host):
-            raise PageError(403, "this review page has no API key, so it answers this machine only "
-                                 "(loopback); start it with --api-key-env VAR to open it to others",
-                            code="loopback_only")
-        name = host_name(request.headers.get("host"))
-        if name is None or not is_loopback(name):
+        why = not_local(request.client.host if request.client else None, request.headers.get("host"))
+        if why == "client":
+            raise PageError(403, "this review page has no key, so it answers this machine only "
+                                 f"(loopback); {KEY_HINT}", code="loopback_only")
+        if why == "host":
             shown = (request.headers.get("host") or "(none)")[:100]
-            raise PageError(403, f"this review page has no API key, so it answers this machine only, "
+            raise PageError(403, f"this review page has no key, so it answers this machine only, "
                                  f"under a loopback name; the request's Host {shown!r} is not one "
                                  "(a DNS-rebinding page looks like this): open it as "
-                                 "http://127.0.0.1:PORT/ or http://localhost:PORT/, or start it with "
-                                 "--api-key-env VAR", code="loopback_host_only")
+                                 f"http://127.0.0.1:PORT/ or http://localhost:PORT/, or {KEY_HINT}",
+                            code="loopback_host_only")
         return Caller()
     scheme, _, cred = request.headers.get("authorization", "").partition(" ")
     user, given = "", b""
@@ -87,32 +87,11 @@ def authenticate(request: Request, api_keys: tuple[str, ...], *, allow_remote: b
     for key in api_keys:  # every key is compared, in constant time each
         ok |= hmac.compare_digest(given, key.encode())
     if not ok:
-        raise PageError(401, "an API key is needed: sign in with any user name (your reviewer name) "
+        raise PageError(401, "a review key is needed: sign in with any user name (your reviewer name) "
                              "and the key as the password, or send Authorization: Bearer <key>",
                         code="invalid_api_key",
                         headers={"WWW-Authenticate": f'Basic realm="{REALM}", charset="UTF-8"'})
     return Caller(user=user.strip() or None)
-
-
-def host_name(header: str | None) -> str | None:
-    """The host of a Host header, lower-cased, without its port, brackets or a trailing dot
-    (``[::1]:8100`` -> ``::1``, ``LocalHost.:80`` -> ``localhost``); None when malformed."""
-    if not header:
-        return None
-    h = header.strip().lower()
-    if h.startswith("["):  # an IPv6 literal: [addr] or [addr]:port
-        end = h.find("]")
-        rest = h[end + 1:] if end > 0 else "?"
-        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
-            return None
-        return h[1:end]
-    if h.count(":") > 1:  # a bare IPv6 address: no port can be told apart
-        return h
-    name, sep, port = h.partition(":")
-    if sep and not port.isdigit():
-        return None
-    name = name[:-1] if name.endswith(".") else name
-    return name or None
 
 
 def csrf_secret_from_keys(api_keys: tuple[str, ...]) -> bytes:

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from guarduq import layout
-from guarduq.calibration.labels import normalize_answer
+from guarduq.answers import normalize_answer
 from guarduq.errors import InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.scoring.uncertainty import Scores, model_lock

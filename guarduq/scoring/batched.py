@@ -11,7 +11,7 @@ per-sample clipping: Goodfellow 2015; Li et al. 2022; Bu et al. 2023, book-keepi
   positions t: ∇W_i = Σ_t g_t a_tᵀ, so ‖∇W_i‖² = Σ_{t,s} (g_t·g_s)(a_t·a_s) = ⟨G_g, G_a⟩ with
   T×T Gram matrices (cost T²(d_in+d_out)), or the explicit [d_out, d_in] per-sequence gradient
   (cost T d_in d_out) when that is cheaper; ∇b_i = Σ_t g_t.
-* input embedding and LM head (tied or not): ``_VocabGradients``, per sequence.
+* input embedding and LM head (tied or not): ``VocabGradients``, per sequence.
 * other embeddings (GPT-2 positions): the rows each sequence uses, as for the input embedding.
 * norms and any other module called on one tensor: per-sequence vector-Jacobian products of the
   module alone (``torch.func.vmap`` over the batch), exact for any module that does not mix
@@ -30,45 +30,54 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from guarduq._logging import get_logger
 from guarduq.errors import InputError
-from guarduq.scoring.reuse import pad_states
-from guarduq.scoring.uncertainty import (
-    GradientScorer,
-    Scores,
-    _call,
-    _scoring_state,
-    _VocabGradients,
+from guarduq.scoring.gradients import (
+    VocabGradients,
     model_lock,
     output_needs_grad,
     row_gradient,
+    scoring_state,
 )
+from guarduq.scoring.parameters import optional_call
+from guarduq.scoring.reuse import pad_states
+from guarduq.scoring.scores import Scores, pass_scores
 
 log = get_logger("batched")
 
-try:  # GPT-2's linear layer (weight stored [in, out])
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency
-    Conv1D = ()  # type: ignore[assignment,misc]
 
 
 class _Unsupported(Exception):
     """This batch cannot be scored exactly in one pass; the reason is logged."""
 
 
+class Scorer(Protocol):
+    """What the batch path reads of ``uncertainty.GradientScorer``, which builds on this module."""
+
+    model: nn.Module
+    selected: list[tuple[str, nn.Parameter]]
+    groups: list[str]
+    n_params: int
+    parameter_set: str
+
+    def score(self, input_ids: torch.Tensor, response_start: int, states: torch.Tensor | None = None) -> Scores: ...
+
+    def skipping(self, states: torch.Tensor | None, length: int) -> Any: ...
+
+
 class BatchedScorer:
     """``GradientScorer.score_batch``: B sequences per forward and backward, same numbers."""
 
-    def __init__(self, scorer: GradientScorer) -> None:
+    def __init__(self, scorer: Scorer) -> None:
         self.scorer = scorer
         self.model = scorer.model
-        self.selected = scorer._selected
-        self.groups = scorer._groups
+        self.selected = scorer.selected
+        self.groups = scorer.groups
         self.reason = _static_reason(self.model, self.selected)
 
     def score(
@@ -106,7 +115,7 @@ class BatchedScorer:
         reason = self.reason
         if reason is None:
             try:
-                with model_lock(self.model), _scoring_state(self.model, ()):
+                with model_lock(self.model), scoring_state(self.model, ()):
                     return self._batched(items, states)
             except _Unsupported as exc:
                 reason = str(exc)
@@ -128,7 +137,7 @@ class BatchedScorer:
         real = torch.arange(full, device=device) < torch.tensor(lengths, device=device)[:, None]
         totals = torch.zeros(n_batch, len(self.selected), dtype=torch.float64)
         tape = _Tape(model, self.selected, real, totals)
-        vocab = _VocabGradients.attach(model, ids, self.selected, lengths)
+        vocab = VocabGradients.attach(model, ids, self.selected, lengths)
         try:
             t0 = time.perf_counter()
             with torch.enable_grad(), self.scorer.skipping(batch_states, full):
@@ -151,11 +160,14 @@ class BatchedScorer:
         for i, r in enumerate(rows):
             values = totals[i].tolist()
             finite = all(math.isfinite(v) for v in values)
-            out.append(self.scorer._result(tok_logp[r].detach(), float(entropy[r].mean()), values, finite, per_item))
+            out.append(pass_scores(
+                tok_logp[r].detach(), float(entropy[r].mean()), values, finite, per_item,
+                n_params=self.scorer.n_params, groups=self.groups, parameter_set=self.scorer.parameter_set,
+            ))
         return out
 
     def _forward(
-        self, ids: torch.Tensor, vocab: _VocabGradients, starts: list[int], lengths: list[int]
+        self, ids: torch.Tensor, vocab: VocabGradients, starts: list[int], lengths: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
         """log p and entropy of every response token, packed [N], and each sequence's slice.
 
@@ -171,7 +183,7 @@ class BatchedScorer:
         pairs = list(zip(starts, lengths, strict=True))
         b_idx = torch.cat([torch.full((n - s,), i) for i, (s, n) in enumerate(pairs)]).to(ids.device)
         pos = torch.cat([torch.arange(s - 1, n - 1) for s, n in pairs]).to(ids.device)
-        head = _call(self.model, "get_output_embeddings")
+        head = optional_call(self.model, "get_output_embeddings")
         if not isinstance(head, nn.Module):
             raise _Unsupported("the model exposes no output embedding module to pack")
 
@@ -214,9 +226,19 @@ def _owners(model: nn.Module) -> dict[int, list[nn.Module]]:
     return owners
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's linear layer (weight stored [in, out]). transformers is asked only for a module so
+    named: importing it takes ~1.5 s, and this module loads with the scorer (and the CLI)."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module) is Conv1D
+
+
 def _route(module: nn.Module) -> str:
     """How a module's own parameters are normed: "linear", "embedding", "small" (vmap)."""
-    if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or type(module) is Conv1D:
+    if (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward) or _is_conv1d(module):
         return "linear"
     if type(module) is nn.Embedding and module.max_norm is None:
         return "embedding"
@@ -227,7 +249,7 @@ def _route(module: nn.Module) -> str:
 
 def _static_reason(model: nn.Module, selected: list[tuple[str, nn.Parameter]]) -> str | None:
     """Why this selection cannot be batched (None: it can)."""
-    emb, head = _VocabGradients.routes(model, selected)
+    emb, head = VocabGradients.routes(model, selected)
     vocab = {id(m.weight) for m in (emb, head) if m is not None}
     owners = _owners(model)
     for name, p in selected:
@@ -251,7 +273,7 @@ class _Tape:
         self.recording = True
         self.errors: list[str] = []
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its Gram)
-        emb, head = _VocabGradients.routes(model, selected)
+        emb, head = VocabGradients.routes(model, selected)
         vocab = {id(m.weight) for m in (emb, head) if m is not None}
         owners = _owners(model)
         by_module: dict[nn.Module, dict[str, int]] = {}

@@ -13,11 +13,12 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from guarduq.errors import InputError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # What transformers calls a model's list of blocks (Llama/Gemma ``layers``, GPT-2 ``h``, ...).
 BLOCK_LIST_NAMES = "layers|h|blocks|block|layer"
@@ -130,8 +131,11 @@ def parameter_groups(model: nn.Module, selected: list[tuple[str, nn.Parameter]])
     ``block.{i}.norm`` / ``.attn`` / ``.mlp`` / ``.other`` inside numbered block i (a norm
     inside attention, e.g. Gemma's q_norm, is a norm); ``final_norm``; ``other``.
     """
-    emb = _call(model, "get_input_embeddings")
-    head = _call(model, "get_output_embeddings")
+    # torch here, not above: the calibrator reads the selection's names without it
+    from torch import nn
+
+    emb = optional_call(model, "get_input_embeddings")
+    head = optional_call(model, "get_output_embeddings")
     head_params = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     modules = dict(model.named_modules())
     groups = []
@@ -168,7 +172,8 @@ def grad_profile(groups: Sequence[str], totals: Sequence[float]) -> dict[str, fl
 
 
 
-def _call(model: nn.Module, name: str) -> Any:
+def optional_call(model: nn.Module, name: str) -> Any:
+    """``model.name()``, or None where the model lacks it or does not implement it."""
     fn = getattr(model, name, None)
     try:
         return fn() if callable(fn) else None

@@ -6,6 +6,12 @@ then has the engine's worker swap it in between jobs: the job or batch running a
 finishes on the old pair, every later one uses the new. A pair that fails is refused and the old
 one stays; the failure is logged (``reload_failed``), counted
 (``guarduq_reloads_total{outcome="failed"}``) and, over HTTP, answered with a 422.
+
+A pair under which a threshold rule of the policy can never match (no threshold certified at its
+alpha: every reply the rule would let through is withheld) fails too, by the check ``guarduq
+policy check --strict`` makes (:func:`uncertified`). Only an admin's explicit
+``POST /admin/reload?force=true`` puts such a pair in force, logged as a warning; SIGHUP and
+``--watch`` never do.
 """
 
 from __future__ import annotations
@@ -23,11 +29,29 @@ from typing import Any
 from guarduq._logging import get_logger
 from guarduq.decider import Decider, Identity
 from guarduq.errors import GuardUQError, ReloadError
+from guarduq.policy.certified import certified_thresholds
 
 log = get_logger("serve")
 
 # (old, new) -> None, or what the worker runs together with the swap (e.g. a new drift monitor)
 Prepare = Callable[[Decider, Decider], Callable[[], None] | None]
+
+
+class UncertifiedPairError(ReloadError):
+    """The new pair certifies no threshold a rule of its policy needs (``?force=true`` takes it)."""
+
+
+def uncertified(pair: Decider) -> str | None:
+    """Why a threshold rule of ``pair``'s policy can never match under its calibrator, as
+    ``guarduq policy check --strict`` says it (its :func:`certified_thresholds`); None when none."""
+    policy = pair.policy
+    if policy is None:
+        return None
+    problems = [certified_thresholds(policy, pair.calibrator).warning]
+    if getattr(policy, "second_calibrator_path", None) is not None and policy.second_threshold is None:
+        problems.append(f"the second stage certifies no threshold at alpha {policy.alpha:g}: "
+                        "so.risk <= so.threshold never holds")
+    return "; ".join(p for p in problems if p) or None
 
 
 @dataclass(frozen=True)
@@ -57,13 +81,15 @@ class Reloader:
         """Whether the Guard holds a ``Decider`` (a stand-in Guard in tests may not)."""
         return isinstance(getattr(self.guard, "decider", None), Decider)
 
-    def reload(self, trigger: str) -> ReloadResult:
+    def reload(self, trigger: str, *, force: bool = False) -> ReloadResult:
         """Build and check a new pair, then swap it in between jobs (blocks until then).
-        ``ReloadError`` when it is refused; the pair in force then stays."""
+        ``ReloadError`` when it is refused (``UncertifiedPairError`` for an uncertified pair,
+        unless ``force``); the pair in force then stays."""
         with self._lock:
             old: Decider = self.guard.decider
             try:
                 new = old.reloaded(self.guard.info, parameter_set=self.guard.scorer.parameter_set)
+                self._check_certified(new, trigger, force)
                 then = self._prepare(old, new) if self._prepare is not None else None
                 self.engine.call_between(lambda: self._swap(new, then)).result()
             except Exception as exc:  # whatever failed, the old pair stays and says so
@@ -71,12 +97,23 @@ class Reloader:
                 detail = str(exc) if isinstance(exc, GuardUQError) else f"{type(exc).__name__}: {exc}"
                 log.error("reload_failed", trigger=trigger, error=type(exc).__name__, detail=detail[:1000],
                           **old.identity.to_dict())
-                raise ReloadError(f"reload refused; the policy and calibrator in force stay: {detail}") from exc
+                kind = UncertifiedPairError if isinstance(exc, UncertifiedPairError) else ReloadError
+                raise kind(f"reload refused; the policy and calibrator in force stay: {detail}") from exc
             result = ReloadResult(old.identity, new.identity)
             self.metrics.reloads.labels("ok").inc()
             log.warning("reloaded", trigger=trigger, changed=result.changed,
                         **{f"new_{k}": v for k, v in result.new.to_dict().items()})
             return result
+
+    @staticmethod
+    def _check_certified(new: Decider, trigger: str, force: bool) -> None:
+        problem = uncertified(new)
+        if problem is None:
+            return
+        if not force:
+            raise UncertifiedPairError(f"{problem} (an admin can force it: POST /admin/reload?force=true)")
+        log.warning("reload_forced_uncertified", trigger=trigger, problem=problem[:1000],
+                    calibrator_sha256=new.identity.calibrator_sha256)
 
     def _swap(self, new: Decider, then: Callable[[], None] | None) -> None:
         """On the worker thread, between jobs."""
@@ -84,9 +121,9 @@ class Reloader:
             then()
         self.guard.decider = new
 
-    async def areload(self, trigger: str) -> ReloadResult:
+    async def areload(self, trigger: str, *, force: bool = False) -> ReloadResult:
         """``reload`` on a thread: the event loop keeps answering meanwhile."""
-        return await asyncio.to_thread(self.reload, trigger)
+        return await asyncio.to_thread(lambda: self.reload(trigger, force=force))
 
     def spawn(self, trigger: str) -> None:
         """Start a reload from the event loop (SIGHUP); a failure is logged and counted, no more."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from guarduq.store.records import (
     LABELS,
     REASONS,
+    Filters,
     LabelledReview,
     LabelRecord,
     QueueRow,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LABELS",
     "REASONS",
+    "Filters",
     "LabelRecord",
     "LabelledReview",
     "QueueRow",

@@ -13,6 +13,7 @@ import contextlib
 import json
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -34,10 +35,11 @@ from guarduq.store.convert import (
 )
 from guarduq.store.engine import Target, make_engine, parse_url
 from guarduq.store.migrate import ensure_schema
-from guarduq.store.queries import Filters, Joined, check_page, progress_query
+from guarduq.store.queries import Joined, check_page, progress_query
 from guarduq.store.records import (
     LABELS,
     REASONS,
+    Filters,
     LabelledReview,
     LabelRecord,
     QueueRow,
@@ -218,20 +220,16 @@ class Store:
 
     def queue(
         self,
+        filters: Filters | None = None,
         *,
-        reason: str | None = None,
-        action: str | None = None,
-        risk_min: float | None = None,
-        risk_max: float | None = None,
-        labelled: bool | None = None,
-        label: str | None = None,
         unlabelled_first: bool = True,
         limit: int = 50,
         offset: int = 0,
-        group: str | None = None,
+        **conditions: Any,
     ) -> list[QueueRow]:
-        """A page of review items: unlabelled first (unless told otherwise), then newest first."""
-        f = Filters(reason, action, risk_min, risk_max, labelled, label, group=group)
+        """A page of review items: unlabelled first (unless told otherwise), then newest first.
+        ``filters``, or its fields as keywords (``reason="band", risk_min=0.4``)."""
+        f = Filters.of(filters, conditions)
         check_page(limit, offset)
         j = Joined()
         q = j.order(j.rows(f), unlabelled_first).limit(limit).offset(offset)
@@ -239,41 +237,26 @@ class Store:
             rows = conn.execute(q).mappings().all()
         return [queue_row_of(r) for r in rows]
 
-    def count(
-        self,
-        *,
-        reason: str | None = None,
-        action: str | None = None,
-        risk_min: float | None = None,
-        risk_max: float | None = None,
-        labelled: bool | None = None,
-        label: str | None = None,
-        group: str | None = None,
-    ) -> int:
+    def count(self, filters: Filters | None = None, **conditions: Any) -> int:
         """How many items ``queue`` would list with these filters (for paging)."""
-        f = Filters(reason, action, risk_min, risk_max, labelled, label, group=group)
+        f = Filters.of(filters, conditions)
         with self._read("count") as conn:
             return int(conn.execute(Joined().count(f)).scalar_one())
 
-    def next_unlabelled(
-        self,
-        after: str | None = None,
-        *,
-        reason: str | None = None,
-        action: str | None = None,
-        risk_min: float | None = None,
-        risk_max: float | None = None,
-        group: str | None = None,
-    ) -> str | None:
+    def next_unlabelled(self, after: str | None = None, filters: Filters | None = None, **conditions: Any) -> str | None:
         """The next unlabelled item after ``after`` in queue order (newest first), else the first
         unlabelled one other than ``after`` from the top (items skipped or newly arrived); None
-        when every item matching the filters is labelled.
+        when every item matching the filters is labelled. ``filters``/``conditions``: as for
+        ``queue``; an unlabelled item has no label, so ``labelled`` and ``label`` do not apply.
 
         ``after`` keeps its place in the order whether or not it has been labelled since, so a
         reviewer who labels an item and asks for the next one moves down the list.
         """
+        f = Filters.of(filters, conditions)
+        if f.labelled or f.label is not None:
+            raise StoreInputError("next_unlabelled looks for unlabelled items: give no labelled or label filter")
         j = Joined()
-        q = j.order(j.rows(Filters(reason, action, risk_min, risk_max, labelled=False, group=group)), False).limit(1)
+        q = j.order(j.rows(replace(f, labelled=False)), False).limit(1)
         with self._read("next_unlabelled") as conn:
             if after is None:
                 return conn.execute(q).scalar()

@@ -7,8 +7,6 @@ many items it lists, never one query per item.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, and_, case, func, or_, select
@@ -16,35 +14,10 @@ from sqlalchemy.sql import FromClause
 
 from guarduq.errors import StoreInputError
 from guarduq.store.convert import PREVIEW_READ
-from guarduq.store.records import LABELS, REASONS
+from guarduq.store.records import Filters  # noqa: F401 - re-exported: its home was here
 from guarduq.store.schema import ITEMS, LABEL_ROWS, REPLIES
 
 MAX_LIMIT = 10_000
-
-
-@dataclass(frozen=True)
-class Filters:
-    """What ``Store.queue``, ``count`` and ``next_unlabelled`` select (None: no condition)."""
-
-    reason: str | None = None  # one of REASONS: items picked (also) for this reason
-    action: str | None = None  # the policy's action on the reply (allow, abstain, escalate, ...)
-    risk_min: float | None = None  # risk >= risk_min (replies without a risk are left out)
-    risk_max: float | None = None  # risk <= risk_max
-    labelled: bool | None = None  # True: at least one label; False: none yet
-    label: str | None = None  # the current label is this one (one of LABELS)
-    group: str | None = None  # the reply's traffic group is this one
-
-    def __post_init__(self) -> None:
-        if self.reason is not None and self.reason not in REASONS:
-            raise StoreInputError(f"unknown review reason {self.reason!r}; choose one of {list(REASONS)}")
-        if self.label is not None and self.label not in LABELS:
-            raise StoreInputError(f"unknown label {self.label!r}; choose one of {list(LABELS)}")
-        if self.labelled is not None and not isinstance(self.labelled, bool):
-            raise StoreInputError(f"labelled must be True, False or None, got {self.labelled!r}")
-        for name in ("risk_min", "risk_max"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v)):
-                raise StoreInputError(f"{name} must be a number, got {v!r}")
 
 
 def check_page(limit: int, offset: int) -> None:

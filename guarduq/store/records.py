@@ -14,16 +14,59 @@ Three kinds of row:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from guarduq.errors import StoreInputError
 from guarduq.sampling import Sample
 
 Label = Literal["right", "wrong", "unsure"]
-LABELS: tuple[str, ...] = ("right", "wrong", "unsure")
+LABELS: tuple[str, ...] = get_args(Label)
 Reason = Literal["escalation", "uniform", "band", "drift"]
-REASONS: tuple[str, ...] = ("escalation", "uniform", "band", "drift")
+REASONS: tuple[str, ...] = get_args(Reason)
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What ``Store.queue``, ``count`` and ``next_unlabelled`` select (None: no condition), and
+    what the review page's filter form (``review.forms``) turns into."""
+
+    reason: str | None = None  # one of REASONS: items picked (also) for this reason
+    action: str | None = None  # the policy's action on the reply (allow, abstain, escalate, ...)
+    risk_min: float | None = None  # risk >= risk_min (replies without a risk are left out)
+    risk_max: float | None = None  # risk <= risk_max
+    labelled: bool | None = None  # True: at least one label; False: none yet
+    label: str | None = None  # the current label is this one (one of LABELS)
+    group: str | None = None  # the replies' traffic group (the policy's groups; metadata.group)
+
+    def __post_init__(self) -> None:
+        if self.reason is not None and self.reason not in REASONS:
+            raise StoreInputError(f"unknown review reason {self.reason!r}; choose one of {list(REASONS)}")
+        if self.label is not None and self.label not in LABELS:
+            raise StoreInputError(f"unknown label {self.label!r}; choose one of {list(LABELS)}")
+        if self.group is not None and (not isinstance(self.group, str) or not self.group):
+            raise StoreInputError(f"group must be a non-empty string, got {self.group!r}")
+        if self.labelled is not None and not isinstance(self.labelled, bool):
+            raise StoreInputError(f"labelled must be True, False or None, got {self.labelled!r}")
+        for name in ("risk_min", "risk_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v)):
+                raise StoreInputError(f"{name} must be a number, got {v!r}")
+
+    @classmethod
+    def of(cls, filters: Filters | None, conditions: Mapping[str, Any]) -> Filters:
+        """``filters``, or the same conditions given as keywords (``store.queue(reason="band")``)."""
+        if filters is not None and conditions:
+            raise StoreInputError(f"give a Filters or keyword conditions, not both (got {sorted(conditions)})")
+        if filters is not None:
+            return filters
+        unknown = set(conditions) - {f.name for f in fields(cls)}
+        if unknown:
+            raise StoreInputError(f"unknown queue filter(s) {sorted(unknown)}; choose from {[f.name for f in fields(cls)]}")
+        return cls(**conditions)
 
 
 @dataclass(frozen=True)

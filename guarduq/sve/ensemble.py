@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 
 from guarduq import layout
 from guarduq._logging import get_logger
+from guarduq.answers import same_answer
 from guarduq.batching import right_pad
-from guarduq.calibration.labels import same_answer
 from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError, SVEError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
@@ -50,13 +50,13 @@ from guarduq.sve.layers import (
 )
 from guarduq.sve.results import Overhead, SVEOpinion
 from guarduq.sve.training import (
-    _Batch,
-    _ClassificationObjective,
-    _digest,
-    _LMObjective,
-    _member_batch,
-    _Objective,
+    Batch,
+    ClassificationObjective,
+    LMObjective,
+    Objective,
     clip_per_member,
+    data_digest,
+    member_batch,
 )
 
 log = get_logger("sve")
@@ -225,30 +225,33 @@ class SVEnsemble:
             finally:
                 self._sharing.rows = None
 
-    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Last hidden states (the LM head is applied only where needed)."""
+    # The surface training reads (``sve.training.Trainee``): hidden states, the head, label logits.
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Last hidden states of the (folded) batch; the LM head is applied only where needed."""
         return self.model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
 
-    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on ``hidden`` [..., d], with the model's final soft-capping where it has one."""
         logits = self.model.get_output_embeddings()(hidden)
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _label_logits(
+    def label_logits(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, lengths: torch.Tensor, label_ids: list[int]
     ) -> torch.Tensor:
         """[rows, C] next-token logits of the label words after each row's last real token."""
-        hidden = self._hidden(input_ids, attention_mask)
+        hidden = self.hidden_states(input_ids, attention_mask)
         last = hidden[torch.arange(hidden.shape[0]), lengths - 1]
-        return self._lm_head(last)[:, label_ids].float()
+        return self.head_logits(last)[:, label_ids].float()
 
     # ------------------------------------------------------------------ inference
 
     def label_token_ids(self, label_words: Sequence[str]) -> list[int]:
         """First token of each label word; they must differ, or the classes are indistinguishable."""
-        tok = self._require_tokenizer()
+        tok = self.require_tokenizer()
         if isinstance(label_words, str) or len(label_words) < 2:
             raise SVEError("label_words must be a list of at least two words")
         ids = []
@@ -266,7 +269,7 @@ class SVEnsemble:
     ) -> np.ndarray:
         """Each member's class probabilities ``[M, N, C]`` (softmax over the label words)."""
         label_ids = self.label_token_ids(label_words)
-        tok = self._require_tokenizer()
+        tok = self.require_tokenizer()
         encoded = [layout.prompt_ids(tok, p) for p in prompts]
         out = []
         with torch.no_grad():
@@ -274,7 +277,7 @@ class SVEnsemble:
                 chunk = encoded[i : i + batch_size]
                 batch = self._collate([(ids, len(ids), 0) for ids in chunk])
                 with self._fan_out(len(chunk)) as fold:
-                    logits = self._label_logits(
+                    logits = self.label_logits(
                         fold(batch.input_ids), fold(batch.attention_mask),
                         batch.lengths.repeat(self.members), label_ids,
                     )
@@ -293,12 +296,12 @@ class SVEnsemble:
         self, prompt: PromptLike, response: str, *, ended: bool = True, max_new_tokens: int = 0
     ) -> SVEOpinion:
         """Score ``response`` with every member; with ``max_new_tokens > 0`` also answer greedily."""
-        tok = self._require_tokenizer()
+        tok = self.require_tokenizer()
         enc = layout.encode(tok, self.model, prompt, response, ended=ended)
         start = enc.response_start
         with torch.no_grad(), self._fan_out(1) as fold:
-            hidden = self._hidden(fold(enc.input_ids), None)[:, start - 1 : -1]  # [M, T, d]
-            logits = self._lm_head(hidden).double()  # the LM head only where response tokens are predicted
+            hidden = self.hidden_states(fold(enc.input_ids), None)[:, start - 1 : -1]  # [M, T, d]
+            logits = self.head_logits(hidden).double()  # the LM head only where response tokens are predicted
         logp = torch.log_softmax(logits, dim=-1)
         targets = enc.input_ids[0, start:]
         tok_p = logp.gather(-1, targets.expand(self.members, -1).unsqueeze(-1)).squeeze(-1).exp()
@@ -324,7 +327,7 @@ class SVEnsemble:
 
     def generate(self, prompt: PromptLike, *, max_new_tokens: int = 64) -> str:
         """Greedy decoding from the members' mean predictive distribution (one folded pass per token)."""
-        tok = self._require_tokenizer()
+        tok = self.require_tokenizer()
         ids = layout.prompt_ids(tok, prompt)
         layout.check_fits(self.model, len(ids) + max_new_tokens)
         stops = set(layout.stop_token_ids(tok))
@@ -382,8 +385,8 @@ class SVEnsemble:
             raise SVEError(f"steps and batch_size must be >= 1, got {steps}, {batch_size}")
         if not data:
             raise SVEError("no training data")
-        objective: _Objective = (
-            _ClassificationObjective(self, label_words) if label_words is not None else _LMObjective(self)
+        objective: Objective = (
+            ClassificationObjective(self, label_words) if label_words is not None else LMObjective(self)
         )
         items = [objective.encode(item) for item in data]
         optim = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
@@ -392,7 +395,7 @@ class SVEnsemble:
             "batch_size": batch_size,
             "lr": lr,
             "weight_decay": weight_decay,
-            "data_digest": _digest(items),
+            "data_digest": data_digest(items),
             "members_apart": True,  # per-member loss and clipping (older checkpoints: joint)
         }
         frozen = (
@@ -409,7 +412,7 @@ class SVEnsemble:
             while self.steps_done_ < steps:
                 index = [
                     i for m in range(self.members)
-                    for i in _member_batch(len(items), m, self.steps_done_, batch_size, self.seed)
+                    for i in member_batch(len(items), m, self.steps_done_, batch_size, self.seed)
                 ]
                 batch = self._collate([items[i] for i in index])
                 # The mean over M·B rows times M is the sum of the members' own mean losses:
@@ -552,7 +555,8 @@ class SVEnsemble:
 
     # ------------------------------------------------------------------ helpers
 
-    def _require_tokenizer(self) -> Any:
+    def require_tokenizer(self) -> Any:
+        """The tokenizer, or a clear error for an ensemble built without one."""
         if self.tokenizer is None:
             raise SVEError("this operation needs a tokenizer; pass one to SVEnsemble.from_model")
         return self.tokenizer
@@ -566,10 +570,10 @@ class SVEnsemble:
         pad = getattr(self.tokenizer, "pad_token_id", None) if self.tokenizer is not None else None
         return 0 if pad is None else int(pad)
 
-    def _collate(self, rows: list[tuple[list[int], int, int]]) -> _Batch:
+    def _collate(self, rows: list[tuple[list[int], int, int]]) -> Batch:
         """Right-pad M·B encoded rows (right padding keeps positions and the causal mask exact)."""
         input_ids, mask = right_pad([ids for ids, _, _ in rows], self._pad_id())
-        return _Batch(
+        return Batch(
             input_ids=input_ids,
             attention_mask=mask,
             lengths=torch.tensor([len(ids) for ids, _, _ in rows]),

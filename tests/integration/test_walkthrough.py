@@ -2,6 +2,12 @@
 real SmolLM2 behind ``guarduq serve`` with a store and the review page, labels typed in a real
 browser, ``guarduq calibrate --dataset reviews``, and a hot reload that later replies name.
 
+With the 28 labels a first session gives, nothing certifies at the policy's alpha, and the loop
+fails safe: step 5 refuses and leaves the live calibrator untouched; a calibrator written anyway
+(``--allow-uncertified``) is refused by the reload with a 422 while the old pair serves; only an
+admin's ``?force=true`` puts it live, and then withheld replies say why without quoting a risk.
+Without a key, every route refuses a DNS-rebinding Host.
+
 Each step below carries the README's step number. Only the labelling is automated (the test
 knows each question's answer); everything else is the commands the README gives.
 """
@@ -113,11 +119,26 @@ def server(mine: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
         log.close()
 
 
-def _ask(base: str, question: str) -> dict[str, Any]:
+def _chat(base: str, question: str) -> dict[str, Any]:
     r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
         "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
-    return r.json()["guarduq"]
+    return r.json()
+
+
+def _ask(base: str, question: str) -> dict[str, Any]:
+    return _chat(base, question)["guarduq"]
+
+
+def _foreign_host_refused(base: str) -> None:
+    """A DNS-rebinding page: this server's address under the name attacker.example."""
+    host = {"Host": "attacker.example:8000"}
+    for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),
+                         ("GET", "/readyz"), ("GET", "/healthz"), ("POST", "/admin/reload"), ("GET", "/review/")):
+        r = httpx.request(method, base + path, headers={**host, "Authorization": f"Bearer {ADMIN}"}, timeout=30,
+                          json={"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}
+                          if path.startswith("/v1/chat") else None)
+        assert r.status_code == 403 and "attacker.example" in r.text, (path, r.status_code, r.text[:300])
 
 
 @pytest.mark.skipif(not TRIVIAQA.is_file(), reason=f"TriviaQA not found at {TRIVIAQA} (set GUARDUQ_DATA)")
@@ -125,6 +146,8 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     base = server["base"]
     traffic = questions()
     shipped = hashlib.sha256((mine / "calibrator.json").read_bytes()).hexdigest()
+
+    _foreign_host_refused(base)
 
     # Step 3: traffic. Every reply names the calibrator that decided it.
     asked: dict[str, list[str]] = {}
@@ -158,22 +181,41 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     finally:
         store.close()
 
-    # Step 5: recalibrate from the reviews, into the file the policy names.
-    out = subprocess.run(
-        [GUARDUQ, "calibrate", "--dataset", "reviews", "--store", server["store"], "--alpha", "0.7",
-         "--test-fraction", "0.2", "--threshold-fraction", "0.2", "--out", str(mine / "calibrator.json"), "--report", str(mine / "report"), "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )
+    # Step 5: recalibrate from the reviews, into the file the policy names. 28 labels certify
+    # nothing at the policy's alpha: refused, the live file untouched, and how many more it needs.
+    live = mine / "calibrator.json"
+    step5 = [GUARDUQ, "calibrate", "--dataset", "reviews", "--store", server["store"], "--policy",
+             str(mine / "policy.yaml"), "--out", str(live), "--report", str(mine / "report"),
+             "--work", str(tmp_path / "runs"), "--no-progress", "--json"]
+    out = subprocess.run(step5, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "no alpha asked for (0.7) has a certified threshold" in out.stderr and "is left unchanged" in out.stderr
+    assert "more labels of the uniform sample needed" in out.stderr or "no number of labels" in out.stderr
+    assert hashlib.sha256(live.read_bytes()).hexdigest() == shipped
+    export = next((tmp_path / "runs" / "reviews").glob("reviews-*.jsonl"))
+    assert export.stat().st_mode & 0o777 == 0o600  # prompt and reply text: owner only
+
+    # Written anyway, it is refused by the reload (step 6), and the shipped pair keeps serving.
+    out = subprocess.run([*step5, "--allow-uncertified"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     new = report["sha256"]
     assert new != shipped and report["reviews"]["uniform"] == len(traffic)
     assert sum(report["split_sizes"].values()) == len(traffic)
     assert (mine / "report" / "report.html").is_file()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(base + "/admin/reload", headers=admin, timeout=120)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "uncertified_pair", r.text
+    assert "can never match" in r.json()["error"]["message"]
+    assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == shipped
+    assert _ask(base, "What is the capital of France?")["calibrator_sha256"] == shipped
 
-    # Step 6: hot reload, then every reply names the new calibrator.
-    r = httpx.post(base + "/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120)
+    # Step 6 forced by an admin: the new calibrator is live, and a withheld reply says why.
+    r = httpx.post(base + "/admin/reload?force=true", headers=admin, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] and r.json()["new"]["calibrator_sha256"] == new
     assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == new
-    assert _ask(base, "What is the capital of France?")["calibrator_sha256"] == new
+    reply = _chat(base, "What is the capital of France?")
+    text = reply["choices"][0]["message"]["content"]
+    assert reply["guarduq"]["calibrator_sha256"] == new and reply["choices"][0]["finish_reason"] == "content_filter"
+    assert "no certified risk threshold" in text and "estimated chance" not in text and "%" not in text

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from guarduq.cli import build_parser, main
 
@@ -42,6 +43,7 @@ def test_serves_the_page_on_the_store(tmp_path: Path, served: dict[str, Any]) ->
     assert main(["review", "--store", str(db), "--policy", str(ROOT / "policies/default.yaml"),
                  "--alpha", "0.25"]) == 0
     assert served["app"].state.settings.alpha == 0.25  # --alpha wins
+    assert served["app"].state.settings.threshold_fraction == 0.3  # default.yaml has no review section
     # the CLI closed its store when uvicorn returned
     with pytest.raises(Exception, match="closed"):
         served["app"].state.store.progress()
@@ -50,6 +52,9 @@ def test_serves_the_page_on_the_store(tmp_path: Path, served: dict[str, Any]) ->
 
         html = page_client(create_review_app(s, served["app"].state.settings), ("127.0.0.1", 1)).get("/").text
         assert "α = 0.25" in html
+    assert main(["review", "--store", str(db), "--policy", str(ROOT / "policies/review.yaml")]) == 0
+    review = yaml.safe_load((ROOT / "policies/review.yaml").read_text())["review"]
+    assert served["app"].state.settings.threshold_fraction == review["threshold_fraction"]  # calibrate's too
 
 
 def test_refuses_remote_bind_without_a_key(tmp_path: Path, served: dict[str, Any],

@@ -8,11 +8,14 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from guarduq.calibration.datasets import load_dataset
 from guarduq.calibration.sizing import accepted_needed
 from guarduq.calibration.thresholds import start_size
+from guarduq.errors import StoreInputError
 from guarduq.review import progress
-from guarduq.store import Store
+from guarduq.store import Filters, Store
 from tests.review.conftest import UNIFORM, client, csrf, fill, page_client, reply
 
 
@@ -370,3 +373,15 @@ def test_queue_and_progress_per_traffic_group(store: Store) -> None:
     assert store.next_unlabelled(after="req0005", group="legal") is None
     assert store.next_unlabelled(after="req0005") == "req0004"  # without the group: the next older one
     assert c.get("/?group=" + "x" * 65).status_code == 400
+    # the group is one field of the store's one Filters object: form -> selection -> store
+    from guarduq.review.forms import QueuePage
+    q = QueuePage(group="legal", labelled=False)
+    assert q.selection() == Filters(group="legal", labelled=False)
+    assert _ids_of(store.queue(q.selection())) == ["req0005"]
+    assert store.count(Filters(group="support")) == 3
+    with pytest.raises(StoreInputError, match="group must be a non-empty string"):
+        Filters(group="")
+
+
+def _ids_of(rows: list) -> list[str]:
+    return [r.request_id for r in rows]

@@ -13,7 +13,7 @@ import pytest
 
 from guarduq.calibration.datasets import load_dataset
 from guarduq.errors import InputError, StoreError, StoreInputError, UnknownItemError
-from guarduq.store import Store
+from guarduq.store import Filters, Store
 from guarduq.store.records import PREVIEW_CHARS, ReviewItem, Sample
 from tests.store.support import (
     BAND,
@@ -225,6 +225,7 @@ def test_queue_filters_and_count(store: Store) -> None:
         want = {f"req{i:04d}" for i in expected}
         assert set(ids(store.queue(**filters))) == want, filters
         assert store.count(**filters) == len(want), filters
+        assert set(ids(store.queue(Filters(**filters)))) == want and store.count(Filters(**filters)) == len(want)
     assert store.count() == 12
 
 
@@ -238,6 +239,8 @@ def test_queue_filters_and_count(store: Store) -> None:
         ({"offset": 1.5}, "offset must be a non-negative integer"),
         ({"limit": 10_001}, "limit must be at most 10000"),
         ({"labelled": "yes"}, "labelled must be True, False or None"),
+        ({"risk": 0.5}, r"unknown queue filter\(s\) \['risk'\]"),
+        ({"filters": Filters(reason="band"), "reason": "uniform"}, "not both"),
     ],
 )
 def test_bad_queue_filters(store: Store, kwargs: dict, match: str) -> None:
@@ -263,6 +266,14 @@ def test_next_unlabelled_walks_the_queue(store: Store) -> None:
     assert store.next_unlabelled() is None
     with pytest.raises(UnknownItemError, match="no review item 'zzz'"):
         store.next_unlabelled("zzz")
+    with pytest.raises(StoreInputError, match="looks for unlabelled items"):
+        store.next_unlabelled(filters=Filters(label="right"))
+
+
+def test_next_unlabelled_takes_the_queue_s_filters(store: Store) -> None:
+    fill(store)
+    assert store.next_unlabelled("req0006", Filters(reason="band")) == store.next_unlabelled("req0006", reason="band")
+    assert store.next_unlabelled(filters=Filters(reason="band", labelled=False)) == "req0010"
 
 
 def test_progress(store: Store) -> None:

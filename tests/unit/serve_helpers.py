@@ -81,6 +81,14 @@ def fake_app(tokenizer: Any, **settings: Any) -> tuple[Any, FakeGuard]:
     return create_app(guard, settings=Settings(**settings)), guard  # type: ignore[arg-type]
 
 
+def local_client(app: Any, **kw: Any) -> Any:
+    """A TestClient as an SDK or browser on this machine calls a server without a key: from a
+    loopback peer, to a loopback Host (TestClient's own default, ``testserver``, is refused)."""
+    from fastapi.testclient import TestClient
+
+    return TestClient(app, base_url="http://127.0.0.1:8000", client=("127.0.0.1", 50000), **kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -188,7 +188,8 @@ def test_cli_fits_a_second_stage_the_policy_then_binds(tmp_path: Path, tiny_mode
     sve = SVEnsemble.from_model(load_model(str(tiny_model_dir)), members=2, last_n_blocks=1, sigma_init=0.3)
     sve_file = sve.save(tmp_path / "sve.safetensors")
     common = ["--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(data),
-              "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json", "--C", "1", "--alpha", "0.6"]
+              "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json", "--C", "1", "--alpha", "0.6",
+              "--allow-uncertified"]
     assert main(["calibrate", *common, "--features", "paper+likelihood", "--out", str(tmp_path / "first.json")]) == 0
     capsys.readouterr()
     first = Calibrator.load(tmp_path / "first.json")

@@ -96,3 +96,36 @@ def test_cli_logging_follows_stderr_after_the_first_stream_is_closed(monkeypatch
     with contextlib.redirect_stderr(second):
         _logging.get_logger("test").warning("still_heard")
     assert "still_heard" in second.getvalue() and "Traceback" not in second.getvalue()
+
+
+MODEL_COMMANDS = (["score"], ["generate"], ["demo"], ["calibrate"], ["evaluate"], ["policy", "explain"],
+                  ["serve"], ["sve", "train"])
+
+
+def _subparser(parser: argparse.ArgumentParser, path: list[str]) -> argparse.ArgumentParser:
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", MODEL_COMMANDS, ids=" ".join)
+def test_every_command_that_runs_a_model_takes_threads(path):
+    flags = {s for a in _subparser(build_parser(), path)._actions for s in a.option_strings}
+    assert "--threads" in flags and "--model" in flags
+
+
+def test_threads_sets_torchs_threads_and_refuses_zero(model_dir, capsys):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        assert main(["score", "--model", model_dir, "--prompt", "Hi", "--response", "Yo",
+                     "--threads", str(want)]) == 0
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    assert main(["score", "--model", model_dir, "--prompt", "Hi", "--response", "Yo", "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err

@@ -108,7 +108,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def test_serve_answers_a_second_opinion_policy_with_sve(sve: tuple[Path, Any], tiny_model_dir: Path,
                                                         tmp_path: Path, served: dict[str, Any],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from fastapi.testclient import TestClient
+    from tests.unit.serve_helpers import local_client
 
     path, ens = sve
     expected = ens.second_opinion(USER, RESPONSE)
@@ -118,7 +118,7 @@ def test_serve_answers_a_second_opinion_policy_with_sve(sve: tuple[Path, Any], t
     assert "no second-opinion provider" in (err := capsys.readouterr().err) and "--sve FILE" in err
     assert main([*argv, "--sve", str(path)]) == 0
     assert served["port"] == 8123 and "policy=so" in capsys.readouterr().err
-    with TestClient(served["app"]) as client:
+    with local_client(served["app"]) as client:
         resp = client.post("/v1/guarduq/score", json={"messages": USER, "response": RESPONSE, "ended": True})
     assert resp.status_code == 200, resp.text
     decision = resp.json()["guarduq"]["decision"]

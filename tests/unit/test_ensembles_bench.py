@@ -46,6 +46,11 @@ def tiny_gemma3() -> torch.nn.Module:
     return Gemma3ForCausalLM(cfg).eval()
 
 
+# Fits compared after training run in float64: Adam divides each gradient by its own running
+# norm, so on a near-zero gradient float32 rounding becomes a step of about lr, and two equal
+# fits differ by ~1e-4 depending on the CPU's kernels; in float64 they differ by ~1e-13.
+FIT_REL = 1e-9
+
 MODELS = {"llama": lambda: tiny_llama(seed=0, layers=4), "gemma3": tiny_gemma3}
 
 
@@ -134,7 +139,7 @@ def test_sve_members_never_share_a_gradient() -> None:
     """Member 0 of a jointly trained M=2 ensemble = the same member trained alone (σ_init 0).
 
     This is what makes the first M members of one run a valid M-member ensemble."""
-    model = tiny_llama(seed=0, layers=4).requires_grad_(False)
+    model = tiny_llama(seed=0, layers=4).double().requires_grad_(False)  # see FIT_REL
     top = Top(model, make_tokenizer(), 2)
     enc = encode_split(top, examples(8), WIDTH)
     alone, joint = SVEMethod(1, 3e-2, sigma_init=0.0), SVEMethod(2, 3e-2, sigma_init=0.0)
@@ -142,7 +147,8 @@ def test_sve_members_never_share_a_gradient() -> None:
         m.build(top)
         m.fit(top, enc, steps=4, batch=3, max_grad_norm=0.05, progress=False)  # clipping active
     for a, b in zip(alone.parameters(), joint.parameters(), strict=True):
-        torch.testing.assert_close(b[0], a[0], rtol=1e-3, atol=1e-4)  # Adam on near-zero biases amplifies rounding
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(b[0], a[0], rtol=FIT_REL, atol=FIT_REL)
     assert any(not torch.allclose(p[0], p[1]) for p in joint.parameters())  # member 1: its own order
 
 
@@ -151,7 +157,7 @@ def test_copies_member_zero_is_the_one_member_model(family: str) -> None:
     """What lets a one-rate run report LoRA/deep M=1 as member 0 of the ensemble (``first_member``)."""
     import ensembles
 
-    model = tiny_llama(seed=0, layers=4).requires_grad_(False)
+    model = tiny_llama(seed=0, layers=4).double().requires_grad_(False)  # see FIT_REL
     top = Top(model, make_tokenizer(), 2)
     enc = encode_split(top, examples(8), WIDTH)
     alone, joint = FAMILIES[family](1, 1e-3), FAMILIES[family](2, 1e-3)
@@ -159,7 +165,8 @@ def test_copies_member_zero_is_the_one_member_model(family: str) -> None:
         m.build(top)
         m.fit(top, enc, steps=3, batch=3, max_grad_norm=0.05, progress=False)
     pa, pj = alone.predict(top, enc), joint.predict(top, enc)
-    np.testing.assert_allclose(pj[0], pa[0], rtol=1e-4, atol=1e-5)
+    # predict() rounds its float64 logits to float32: fits equal to ~1e-13 agree to float32's ulp
+    np.testing.assert_allclose(pj[0], pa[0], rtol=4 * np.finfo(np.float32).eps, atol=1e-7)
     assert not np.allclose(pj[0], pj[1])  # member 1 is another model
     arrays, info = ensembles.first_member({"test": pj}, {"stored": 10, "fit": {"seconds": 4.0},
                                                          "seconds_per_item": {"test": 2.0}})

@@ -351,7 +351,8 @@ def test_cli_calibrate_evaluate_report(tmp_path: Path, tiny_model_dir: Path,
 
 
 def test_cli_refuses_another_models_calibrator(tmp_path: Path, tiny_model_dir: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [{"id": str(i), "prompt": f"p{i}", "response": "r" * (1 + i % 5), "label": int(i % 5 > 1)} for i in range(40)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     other = tmp_path / "other-model"
@@ -360,14 +361,21 @@ def test_cli_refuses_another_models_calibrator(tmp_path: Path, tiny_model_dir: P
     common = ["--dataset", "jsonl", "--data", str(data), "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
     cal = tmp_path / "cal.json"
     assert main(["calibrate", "--model", str(tiny_model_dir), *common, "--out", str(cal), "--json",
-                 "--test-fraction", "0.25", "--threshold-fraction", "0.25"]) == 0
+                 "--test-fraction", "0.25", "--threshold-fraction", "0.25", "--allow-uncertified"]) == 0
     n_test = json.loads(capsys.readouterr().out)["split_sizes"]["test"]
     # --split test re-uses the calibrator's own split fractions, so it sees exactly its test items.
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(tiny_model_dir), *common, "--json",
                  "--split", "test"]) == 0
     assert json.loads(capsys.readouterr().out)["n"] == n_test
+    # Without --model the calibrator finds its model again from where it records it (an absolute
+    # path), whatever the working directory.
+    assert json.loads(cal.read_text())["model"]["source"] == str(tiny_model_dir.resolve())
+    monkeypatch.chdir(tmp_path / "runs")
+    assert main(["evaluate", "--calibrator", str(cal), *common, "--json", "--split", "test"]) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == n_test
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json"]) == 2
-    assert "fingerprint" in capsys.readouterr().err
+    err = capsys.readouterr().err  # names both models
+    assert f"fitted for model '{tiny_model_dir.name}'" in err and "not for model 'other-model'" in err
     assert not (tmp_path / "runs" / "cache" / "other-model").exists()  # refused before scoring
     assert main(["evaluate", "--calibrator", str(cal), "--model", str(other), *common, "--json",
                  "--allow-mismatch"]) == 0
@@ -402,4 +410,4 @@ def test_cli_malformed_data_needs_the_flag(tmp_path: Path, tiny_model_dir: Path,
               "--test-fraction", "0.25", "--threshold-fraction", "0.25"]
     assert main(["calibrate", *common]) == 2
     assert "line 6: malformed JSON" in capsys.readouterr().err
-    assert main(["calibrate", *common, "--skip-malformed"]) == 0
+    assert main(["calibrate", *common, "--skip-malformed", "--allow-uncertified"]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,6 +158,30 @@ def test_construction_refuses_mismatches(calibrator_path, tmp_path, llama, token
     other.write_text(json.dumps(doc))
     with pytest.raises(FingerprintMismatchError):
         Guard((llama, tokenizer), policy=write_policy(tmp_path, risk_band_rules(1)), calibrator=other)
+
+
+def test_a_policy_whose_calibrator_is_another_models_names_both_and_the_right_file(
+        calibrator_path, tmp_path, llama, tokenizer):
+    """What a user bringing their own model hits first: the message names the policy, both models,
+    and the calibrator fitted for this model where one sits beside the foreign one."""
+    doc = json.loads(calibrator_path.read_text())
+    doc["model"] = {"name": "qwen2.5-coder-1.5b-instruct", "fingerprint": "0" * 32}
+    (tmp_path / "cals").mkdir()
+    foreign = tmp_path / "cals" / "qwen2.5-coder-1.5b-instruct.json"
+    foreign.write_text(json.dumps(doc))
+    policy = write_policy(tmp_path, risk_band_rules(1)).read_text()
+    path = tmp_path / "qwen.yaml"
+    path.write_text(re.sub(r"calibrator: .*", f"calibrator: {foreign}", policy))
+    name = Guard((llama, tokenizer)).info.name
+    with pytest.raises(FingerprintMismatchError) as err:
+        Guard((llama, tokenizer), policy=path)
+    msg = str(err.value)
+    assert "qwen.yaml" in msg and "fitted for model 'qwen2.5-coder-1.5b-instruct'" in msg
+    assert f"not for model '{name}'" in msg and "pass " not in msg  # none fitted for it beside the other
+    (tmp_path / "cals" / f"{name}.json").write_text(calibrator_path.read_text())
+    with pytest.raises(FingerprintMismatchError) as err:
+        Guard((llama, tokenizer), policy=path)
+    assert f"pass {tmp_path / 'cals' / name}.json, fitted for it" in str(err.value)
 
 
 def test_cli_policy_explain(calibrator_path, tmp_path, llama, tokenizer, capsys):

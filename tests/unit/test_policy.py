@@ -291,6 +291,24 @@ def test_uncertified_threshold_is_unknown_and_fails_closed(tmp_path: Path) -> No
     assert "risk=0.01 le threshold unknown: unknown" in d.explanation
 
 
+RISKY_MESSAGE = ("rules:\n  - name: ok\n    when: {risk: {le: threshold}}\n    action: allow\n"
+                 "  - name: rest\n    action: abstain\n    message: 'Not sure (chance of a wrong answer: {risk:.0%}).'\n")
+
+
+def test_a_reply_withheld_for_want_of_a_certificate_says_so_and_quotes_no_risk(tmp_path: Path) -> None:
+    policy = load(tmp_path, RISKY_MESSAGE)
+    d = policy.decide(sig(risk=0.01, threshold=None), response="Paris.")
+    assert (d.rule, d.action, d.shown) == ("rest", "abstain", False)
+    assert "no certified risk threshold" in d.text and "%" not in d.text and "0.01" not in d.text
+    assert "withheld because no threshold is certified" in d.explanation and "(ok could not decide)" in d.explanation
+
+
+def test_with_a_certified_threshold_the_rule_keeps_its_own_message(tmp_path: Path) -> None:
+    policy = load(tmp_path, RISKY_MESSAGE)
+    d = policy.decide(sig(risk=0.9, threshold=0.3), response="Paris.")
+    assert d.text == "Not sure (chance of a wrong answer: 90%)."
+
+
 # ------------------------------------------------------------------ first match, operators, logic
 
 

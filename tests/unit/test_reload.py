@@ -23,16 +23,21 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
 
 from guarduq import Guard  # noqa: E402
 from guarduq.calibration import Calibrator  # noqa: E402
 from guarduq.decider import Decider, Identity  # noqa: E402
-from guarduq.errors import ArtifactError, CalibrationError, FingerprintMismatchError, PolicyError  # noqa: E402
+from guarduq.errors import (  # noqa: E402
+    ArtifactError,
+    CalibrationError,
+    FingerprintMismatchError,
+    PolicyError,
+    ReloadError,
+)
 from guarduq.serve import Settings, create_app  # noqa: E402
 from guarduq.serve.engine import Engine, Job  # noqa: E402
 from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
-from tests.unit.serve_helpers import USER, FakeGuard, body, free_port, serving, varied  # noqa: E402
+from tests.unit.serve_helpers import USER, FakeGuard, body, free_port, local_client, serving, varied  # noqa: E402
 
 ADMIN = "admin-key-0123456789abcdef"
 API = "api-key-0123456789abcdef"
@@ -96,9 +101,9 @@ def guard(model, files, tmp_path) -> Guard:
     return Guard(model, policy=files.policy, audit=tmp_path / "audit.jsonl", max_new_tokens=8)
 
 
-def client_for(guard: Guard, **settings: Any) -> TestClient:
+def client_for(guard: Guard, **settings: Any) -> Any:
     s = Settings(model_ids=("tiny",), generation_defaults=varied(guard.tokenizer), **settings)
-    return TestClient(create_app(guard, settings=s))
+    return local_client(create_app(guard, settings=s))
 
 
 def pair_of(reply: dict[str, Any]) -> tuple[str, str, str]:
@@ -157,6 +162,17 @@ def test_guard_reload_refuses_a_bad_file_and_keeps_the_pair(guard, files, bad):
         guard.reload()
     assert guard.decider is before
     assert guard.guarded(USER, "Blue").decided_by == before.identity
+
+
+def logged_reload(c: Any, caplog: Any, level: str, query: str = "") -> Any:
+    """POST /admin/reload with guarduq's log lines captured at ``level``."""
+    logger = logging.getLogger("guarduq")  # the CLI tests may have stopped its propagation
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(level, logger="guarduq"):
+            return c.post("/admin/reload" + query, headers=AUTH)
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 def write_bad(files: Files, bad: str) -> None:
@@ -243,13 +259,7 @@ def test_admin_reload_refuses_a_bad_file_and_the_old_pair_serves(guard, files, b
     c = client_for(guard, admin_keys=(ADMIN,))
     old = pair_of(c.post("/v1/chat/completions", json=body()).json())
     write_bad(files, bad)
-    logger = logging.getLogger("guarduq")  # the CLI tests may have stopped its propagation
-    logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level("ERROR", logger="guarduq"):
-            resp = c.post("/admin/reload", headers=AUTH)
-    finally:
-        logger.removeHandler(caplog.handler)
+    resp = logged_reload(c, caplog, "ERROR")
     assert resp.status_code == 422
     err = resp.json()["error"]
     assert err["code"] == "reload_failed" and "the policy and calibrator in force stay" in err["message"]
@@ -425,3 +435,60 @@ def test_sighup_swaps_the_pair_of_a_real_serve_process(tmp_path):
         proc.wait(30)
         log.close()
     assert b"reload_failed" in (tmp_path / "serve.log").read_bytes()
+
+
+# --------------------------------------------------------------------------- uncertified pairs
+
+
+def uncertified_files(files: Files) -> Identity:
+    """A policy answering when risk <= threshold at alpha 0.01, and a calibrator whose labels
+    (every one wrong) certify no threshold at that alpha: its allow rule can never match."""
+    rng = np.random.default_rng(1)
+    scores = [{"epistemic": float(e), "aleatoric": 0.1, "valid": True} for e in rng.uniform(0.1, 2, 60)]
+    cal = Calibrator.load(files.cal)
+    cal.fit_thresholds(scores, [0] * 60, alphas=(0.01,), delta=0.1)
+    assert cal.threshold_for(0.01) is None
+    replace_text(files.cal, json.dumps(cal.to_dict(include_evaluation_data=False)))
+    replace_text(files.policy, "name: t\nversion: 'u'\ncalibrator: cal.json\nalpha: 0.01\nrules:\n"
+                               "  - name: confident\n    when: {risk: {le: threshold}}\n    action: allow\n"
+                               "  - name: unsure\n    action: abstain\n"
+                               "    message: 'Not sure (chance of a wrong answer: {risk:.0%}).'\n")
+    return Identity("t@u", sha(files.policy), sha(files.cal))
+
+
+def test_an_uncertified_pair_is_refused_with_422_and_the_old_pair_serves(guard, files):
+    c = client_for(guard, admin_keys=(ADMIN,))
+    old = pair_of(c.post("/v1/chat/completions", json=body()).json())
+    uncertified_files(files)
+    resp = c.post("/admin/reload", headers=AUTH)
+    assert resp.status_code == 422
+    err = resp.json()["error"]
+    assert err["code"] == "uncertified_pair" and "rule confident can never match" in err["message"]
+    assert "no threshold is certified at alpha 0.01" in err["message"] and "force=true" in err["message"]
+    reply = c.post("/v1/chat/completions", json=body()).json()
+    assert pair_of(reply) == old and c.get("/readyz").json()["calibrator_sha256"] == old[2]
+    assert metric(c.get("/metrics").text, "failed") == 1.0
+    assert c.post("/admin/reload?force=maybe", headers=AUTH).status_code == 400
+
+
+def test_sighup_and_watch_never_force_an_uncertified_pair(guard, files):
+    c = client_for(guard, admin_keys=(ADMIN,))
+    reloader = c.app.state.reloader
+    old = guard.decider.identity
+    uncertified_files(files)
+    for trigger in ("sighup", "watch"):
+        with pytest.raises(ReloadError, match="can never match"):
+            reloader.reload(trigger)
+    assert guard.decider.identity == old
+
+
+def test_force_takes_it_with_a_warning_and_withheld_replies_say_why(guard, files, caplog):
+    c = client_for(guard, admin_keys=(ADMIN,))
+    new = uncertified_files(files)
+    resp = logged_reload(c, caplog, "WARNING", "?force=true")
+    assert resp.status_code == 200 and resp.json()["new"] == new.to_dict()
+    assert any("reload_forced_uncertified" in r.getMessage() for r in caplog.records)
+    reply = c.post("/v1/chat/completions", json=body()).json()
+    g, text = reply["guarduq"], reply["choices"][0]["message"]["content"]
+    assert g["calibrator_sha256"] == new.calibrator_sha256 and reply["choices"][0]["finish_reason"] == "content_filter"
+    assert "no certified risk threshold at alpha 0.01" in text and "%" not in text  # no risk quoted as the reason

@@ -22,9 +22,12 @@ def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_model_d
     rows = [json.loads(x) for x in EXAMPLE.read_text().splitlines()]
     assert 10 <= len(rows) <= 20 and {r["label"] for r in rows} == {0, 1}
     out = tmp_path / "cal.json"
-    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
-               "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(out)])
-    assert rc == 0
+    argv = ["calibrate", "--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
+            "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(out)]
+    assert main(argv) == 2  # too small to certify any alpha: nothing is written
+    assert "no alpha asked for (0.1, 0.2, 0.3) has a certified threshold" in capsys.readouterr().err
+    assert not out.exists()
+    assert main([*argv, "--allow-uncertified"]) == 0
     cap = capsys.readouterr()
     assert "warning: alpha=0.1: cannot be certified" in cap.err and "needs at least 38 accepted" in cap.err and "labelled answers in all" in cap.err
     assert "one-sided" in cap.err and "only 5 of them wrong" in cap.err  # 11-item fit split
@@ -37,7 +40,7 @@ def test_example_logs_calibrate_with_a_size_warning(tmp_path: Path, tiny_model_d
 
 def test_feature_set_fixed_C_and_p_true(tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     common = ["--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE), "--no-progress",
-              "--runs-dir", str(tmp_path / "runs"), "--json"]
+              "--runs-dir", str(tmp_path / "runs"), "--json", "--allow-uncertified"]
     assert main(["calibrate", *common, "--features", "likelihood", "--C", "0.5", "--out", str(tmp_path / "a.json")]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["feature_set"] == "likelihood" and res["C"] == {"chosen": 0.5, "cv": None}
@@ -68,7 +71,8 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_m
 
     arc = tmp_path / "arc.jsonl"
     arc.write_text("".join(json.dumps(r) + "\n" for r in _arc_rows(60)))
-    common = ["--model", str(tiny_model_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs")]
+    common = ["--model", str(tiny_model_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs"),
+              "--allow-uncertified"]
     one = ["--dataset", "jsonl", "--data", str(EXAMPLE)]
     # One dataset: refused before any scoring, with the reason.
     assert main(["calibrate", *common, *one, "--features", "sign-stable", "--out", str(tmp_path / "x.json")]) == 2

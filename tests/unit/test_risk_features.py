@@ -142,3 +142,22 @@ def test_serving_without_a_costly_feature_fails_closed() -> None:
     cal = Calibrator("aleatoric,p_true", C=1.0).fit(dicts, labels)
     assert cal.costly_features == ("p_true",)
     assert cal.risk(BASE) == 1.0  # no P(True) in the scores: risk 1.0, not an exception
+
+
+def test_normalised_epistemic_is_the_gradient_norm_of_log_p_bar(tokenizer) -> None:
+    """log ||grad log p̄||², from the scorer's score dict, against autograd on log p̄ itself (float64)."""
+    import torch
+
+    from guarduq import Guard, layout
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(seed=3).double()
+    guard = Guard((model, tokenizer))
+    s = guard.score("What is two plus two?", "Four, I think.").to_dict()
+    enc = layout.encode(tokenizer, model, "What is two plus two?", "Four, I think.")
+    logits = model(input_ids=enc.input_ids).logits[0, enc.response_start - 1 : -1]
+    probs = torch.softmax(logits, -1).gather(-1, enc.input_ids[0, enc.response_start:, None])
+    grads = torch.autograd.grad(torch.log(probs.mean()), [p for p in model.parameters()])
+    want = math.log(sum(float((g**2).sum()) for g in grads))
+    assert FEATURES["log_epistemic_norm"](s) == pytest.approx(want, rel=1e-6)  # p̄ is reported in float32
+    assert FEATURES["log_epistemic_norm"]({**s, "mean_token_prob": 0.0}) != FEATURES["log_epistemic_norm"](s)

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
 
 from guarduq import Guard  # noqa: E402
 from guarduq.policy import Policy  # noqa: E402
@@ -20,7 +19,7 @@ from guarduq.policy.audit import AuditLog  # noqa: E402
 from guarduq.serve import Settings, create_app  # noqa: E402
 from guarduq.serve.engine import Cancelled, Engine, Job  # noqa: E402
 from tests.conftest import tiny_llama  # noqa: E402
-from tests.unit.serve_helpers import USER, body, fake_app, varied  # noqa: E402
+from tests.unit.serve_helpers import USER, body, fake_app, local_client, varied  # noqa: E402
 
 ABSTAIN = {"name": "never", "version": "1", "rules": [{"name": "no", "action": "abstain", "message": "Not sure."}]}
 
@@ -30,9 +29,9 @@ def guard(tokenizer) -> Guard:
     return Guard((tiny_llama(seed=3), tokenizer), max_new_tokens=8)
 
 
-def client_for(guard: Guard, tokenizer: Any, **settings: Any) -> TestClient:
+def client_for(guard: Guard, tokenizer: Any, **settings: Any) -> Any:
     s = Settings(model_ids=("tiny",), generation_defaults=varied(tokenizer), **settings)
-    return TestClient(create_app(guard, settings=s))
+    return local_client(create_app(guard, settings=s))
 
 
 def sse(text: str) -> list[Any]:
@@ -128,7 +127,7 @@ def test_score_endpoint_equals_guard_guarded(guard, tokenizer):
 
 def test_generation_settings_map_honestly(tokenizer):
     app, fake = fake_app(tokenizer)
-    c = TestClient(app)
+    c = local_client(app)
     assert c.post("/v1/chat/completions", json=body(temperature=0, top_p=0.5)).status_code == 200
     assert c.post("/v1/chat/completions", json=body(temperature=0.7, top_p=0.9, max_tokens=None,
                                                    max_completion_tokens=5)).status_code == 200
@@ -170,7 +169,7 @@ def test_same_seed_same_sample(guard, tokenizer):
 ])
 def test_bad_requests_get_a_clear_openai_error(tokenizer, payload, status, param):
     app, fake = fake_app(tokenizer)
-    resp = TestClient(app).post("/v1/chat/completions", content=payload,
+    resp = local_client(app).post("/v1/chat/completions", content=payload,
                                 headers={"content-type": "application/json"})
     assert resp.status_code == status
     assert error_of(resp)["param"] == param
@@ -179,14 +178,14 @@ def test_bad_requests_get_a_clear_openai_error(tokenizer, payload, status, param
 
 def test_unknown_fields_are_ignored_like_openai_clients_expect(tokenizer):
     app, _ = fake_app(tokenizer)
-    resp = TestClient(app).post("/v1/chat/completions", json=body(store=False, metadata={"a": "b"},
+    resp = local_client(app).post("/v1/chat/completions", json=body(store=False, metadata={"a": "b"},
                                                                    frobnicate=1))
     assert resp.status_code == 200
 
 
 def test_limits_on_body_messages_and_prompt(tokenizer):
     app, fake = fake_app(tokenizer, max_body_bytes=2000, max_messages=3, max_prompt_chars=500)
-    c = TestClient(app)
+    c = local_client(app)
     huge = c.post("/v1/chat/completions", json=body(messages=[{"role": "user", "content": "x" * 5000}]))
     assert huge.status_code == 413 and error_of(huge)["code"] == "body_too_large"
     many = c.post("/v1/chat/completions", json=body(messages=USER * 4))
@@ -199,7 +198,7 @@ def test_limits_on_body_messages_and_prompt(tokenizer):
 def test_full_queue_answers_429_with_retry_after(tokenizer):
     app, fake = fake_app(tokenizer, max_queue=1, retry_after_s=3, batching=False)
     fake.gate.clear()  # the worker blocks on the first job; the second waits; the third is refused
-    c = TestClient(app)
+    c = local_client(app)
     results: list[int] = []
     threads = [threading.Thread(target=lambda: results.append(
         c.post("/v1/chat/completions", json=body()).status_code)) for _ in range(2)]
@@ -220,7 +219,7 @@ def test_full_queue_answers_429_with_retry_after(tokenizer):
 
 def test_api_key_is_required_and_checked(tokenizer):
     app, _ = fake_app(tokenizer, api_keys=("s3cret", "other"))
-    c = TestClient(app)
+    c = local_client(app)
     assert c.get("/healthz").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
         resp = c.post("/v1/chat/completions", json=body(), headers=headers)
@@ -262,7 +261,7 @@ def test_serve_command_refuses_before_loading_a_model(monkeypatch, capsys):
 
 def test_models_health_ready_and_metrics(tokenizer):
     app, _ = fake_app(tokenizer)
-    c = TestClient(app)
+    c = local_client(app)
     assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
     assert c.get("/readyz").json()["status"] == "ready"
     secret = "my very private question"
@@ -278,7 +277,7 @@ def test_models_health_ready_and_metrics(tokenizer):
 
 def test_batching_groups_compatible_queued_requests(tokenizer):
     app, fake = fake_app(tokenizer, batch=True, max_batch=8, batch_wait_s=0.2)
-    c = TestClient(app)
+    c = local_client(app)
     fake.gate.clear()
     codes: list[int] = []
     threads = [threading.Thread(target=lambda i=i: codes.append(c.post(
@@ -292,7 +291,7 @@ def test_batching_groups_compatible_queued_requests(tokenizer):
         t.join(10)
     assert codes == [200] * 5 and sum(fake.batches) == 5 and max(fake.batches) > 1
     off, fake_off = fake_app(tokenizer, batch=True, batching=False)
-    TestClient(off).post("/v1/chat/completions", json=body())
+    local_client(off).post("/v1/chat/completions", json=body())
     assert fake_off.batches == [] and len(fake_off.calls) == 1
 
 
@@ -339,7 +338,7 @@ def test_drift_gauges_follow_the_live_window(tokenizer):
 
     ref = Reference({"aleatoric": np.linspace(0.0, 0.25, 40), "log_epistemic": np.linspace(-3, 3, 40)}, "t")
     app, _ = fake_app(tokenizer, drift_reference=ref, drift_min_n=3, drift_window=10)
-    c = TestClient(app)
+    c = local_client(app)
     for _ in range(2):
         c.post("/v1/chat/completions", json=body())
     assert 'guarduq_drift_window{feature="aleatoric"} 2.0' in c.get("/metrics").text
@@ -363,4 +362,4 @@ def test_tracing_is_a_no_op_without_otel_env_and_harmless_with_it(tokenizer, mon
     assert tracer is not None
     app, fake = fake_app(tokenizer)
     tracing.record(tracer, "chat", time.time_ns(), fake._response(USER, "x"))  # raises nothing
-    assert TestClient(app).post("/v1/chat/completions", json=body()).status_code == 200
+    assert local_client(app).post("/v1/chat/completions", json=body()).status_code == 200

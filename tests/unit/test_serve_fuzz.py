@@ -30,7 +30,7 @@ LOOP = asyncio.new_event_loop()  # one loop for all examples: in-process ASGI ca
 
 class Client:
     def __init__(self, app: Any) -> None:
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
     def post(self, path: str, **kw: Any) -> httpx.Response:
         return LOOP.run_until_complete(self.http.post(path, **kw))

@@ -234,7 +234,7 @@ def test_cli_computes_caches_and_reuses_sve_features_and_refuses_another_models_
     common = ["calibrate", "--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(EXAMPLE),
               "--runs-dir", str(runs), "--no-progress", "--json", "--C", "1",
               "--features", "aleatoric,sve_mean_prob,sve_mi,sve_agree", "--sve-answer-tokens", "3",
-              "--out", str(tmp_path / "cal.json")]
+              "--out", str(tmp_path / "cal.json"), "--allow-uncertified"]
 
     assert main([*common, "--sve", str(other_file)]) == 2
     err = capsys.readouterr().err

@@ -80,6 +80,9 @@ def test_sampled_replies_keep_text_and_token_pieces(tmp_path: Path, model: Any) 
         assert rep.action == r.decision.action and rep.rule == r.decision.rule
         assert rep.escalated == (r.decision.action == "escalate")
         assert rep.calibrator_sha256 == guard.calibrator.sha256 and rep.policy == "t@1"
+        assert r.decided_by is not None and r.decided_by.to_dict() == {  # one identity: the reply's
+            "policy": rep.policy, "policy_sha256": rep.policy_sha256, "calibrator_sha256": rep.calibrator_sha256}
+        assert rep.policy_sha256 == guard.policy.sha256
         # one piece per scored token, joined they are the reply (plus the end-of-turn token)
         assert len(rep.tokens) == len(rep.token_probs) == r.scores.n_tokens
         assert rep.token_probs == pytest.approx(list(r.scores.token_probs))
@@ -253,7 +256,7 @@ def test_a_slow_store_never_holds_a_reply_up(tmp_path: Path, model: Any) -> None
 
     store.record = slow  # type: ignore[method-assign]
     guard = Guard(model, policy=write_policy(tmp_path, model), max_new_tokens=3)
-    guard.traffic = Traffic(store, guard.policy, max_pending=2)
+    guard.traffic = Traffic(store, max_pending=2)
     t0 = time.perf_counter()
     rs = [guard.generate(f"q{i}") for i in range(5)]
     assert time.perf_counter() - t0 < 20  # nothing waited on the blocked store
