@@ -35,6 +35,7 @@ from guarduq.models import (
 )
 from guarduq.policy import Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
+from guarduq.policy.context import current_group, in_force
 from guarduq.response import GuardedResponse, invalid_scores  # noqa: F401 - re-exported: guard's names
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
@@ -115,6 +116,7 @@ class Guard:
         ))
         self.audit = AuditLog(audit) if isinstance(audit, str | os.PathLike) else audit
         self.traffic = Traffic.open(store) if store is not None else None
+        self.drift: Any = None  # a DriftMonitor whose case the policy's on_drift acts on (serve sets it)
         self.raise_on_abstain = raise_on_abstain
 
     def reload(self, policy: Policy | str | os.PathLike[str] | None = None,
@@ -384,16 +386,20 @@ class Guard:
         pair = self.decider  # read once: a reload never pairs an old policy with a new calibrator
         policy, calibrator = pair.policy, pair.calibrator
         calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator))
+        case = self.drift.case() if self.drift is not None else None
+        ctx = in_force(policy, calibrator, current_group(), case.label if case is not None else None)
         decision = None
         if policy is not None and not r.scores.valid:
             decision = policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)
         elif policy is not None:
             decision = policy.decide(
-                make_signals(r.scores, **calibrated), prompt=r.prompt, response=r.text,
+                make_signals(r.scores, **calibrated, **ctx.signals()), prompt=r.prompt, response=r.text,
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint, ended=r.ended,
+                override=ctx.rule, override_reason=ctx.reason,
             )
         timings = {**r.timings, "decide_s": time.perf_counter() - t0}
-        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings, decided_by=pair.identity)
+        r = replace(r, risk=calibrated.get("risk"), decision=decision, timings=timings, decided_by=pair.identity,
+                    in_force=ctx)
         if self.audit is not None:
             self.audit.append(make_record(
                 request_id=r.request_id, model_fingerprint=self.info.fingerprint,
@@ -402,7 +408,7 @@ class Guard:
                 scores=r.scores.to_dict(with_token_probs=False), risk=r.risk,
                 decision=decision.to_dict() if decision else None,
                 latency_s=sum(timings.values()), prompt=r.prompt, response=r.text,
-                log_text=bool(policy and policy.log_text),
+                log_text=bool(policy and policy.log_text), in_force=ctx.to_dict(),
             ))
         if self.traffic is not None:
             self.traffic.record(r, pair, tokens=lambda: self._token_pieces(r))

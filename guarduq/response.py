@@ -12,6 +12,7 @@ from guarduq.decider import Identity
 from guarduq.layout import PromptLike
 from guarduq.models import ModelInfo
 from guarduq.policy import Decision
+from guarduq.policy.context import InForce
 from guarduq.scoring.scores import Scores
 
 
@@ -29,6 +30,7 @@ class GuardedResponse:
     risk: float | None = None  # calibrated P(wrong), when the Guard has a calibrator
     decision: Decision | None = None  # what the policy decided, when the Guard has one
     decided_by: Identity | None = None  # the policy/calibrator pair that decided it
+    in_force: InForce | None = None  # its traffic group, the drift case, which certificate decided
 
     @property
     def shown_text(self) -> str:
@@ -51,6 +53,7 @@ class GuardedResponse:
             "risk": self.risk,
             "decision": self.decision.to_dict() if self.decision is not None else None,
             **(self.decided_by or Identity()).to_dict(),  # policy, policy_sha256, calibrator_sha256
+            "in_force": self.in_force.to_dict() if self.in_force is not None else None,
             "timings": dict(self.timings),
         }
 

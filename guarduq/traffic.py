@@ -77,8 +77,10 @@ class Traffic:
         """
         d = r.decision
         escalated = d is not None and d.action == "escalate"
+        ctx = getattr(r, "in_force", None)  # a drift action may raise review (policy on_drift)
+        rate = ctx.review_rate if ctx is not None else 0.0
         sampler = pair.review_sampler
-        sample = sampler.draw(r.risk, escalated) if sampler is not None else None
+        sample = sampler.draw(r.risk, escalated, drift_rate=rate) if sampler is not None else None
         keep = pair.keeps_text(sample is not None and sample.sampled)
         pieces = _pieces(tokens, r.request_id) if keep else None
         try:
@@ -139,6 +141,8 @@ def _reply(r: Any, pieces: list[str] | None, sample: Sample | None, keep: bool,
         tokens=pieces,
         token_probs=[float(p) for p in r.scores.token_probs] if keep else None,
         ended=r.ended,
+        group=getattr(r.in_force, "group", None),
+        drift=getattr(r.in_force, "drift", None),
     )
     return reply, sample
 

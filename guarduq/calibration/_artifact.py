@@ -105,6 +105,7 @@ class Artifact(BaseModel):
     n_fit: int
     n_fit_invalid: int
     thresholds: list[_ThresholdModel]
+    group_thresholds: dict[str, list[_ThresholdModel]] | None = None  # per traffic group (groups.py)
     metrics: dict[str, Any]
     datasets: list[_DatasetRef]
     split: dict[str, float] | None = None

@@ -136,6 +136,7 @@ class Calibrator:
         self.model_fingerprint = model_fingerprint
         self.model_source = model_source  # how to load the model again: an alias, a path, a hub id
         self.thresholds_: list[Threshold] = []
+        self.group_thresholds_: dict[str, list[Threshold]] = {}  # per traffic group (groups.py)
         self.metrics_: dict[str, Any] = {}
         self.datasets_: list[dict[str, Any]] = []
         self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
@@ -455,6 +456,8 @@ class Calibrator:
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
             "thresholds": [asdict(t) for t in self.thresholds_],
+            **({"group_thresholds": {g: [asdict(t) for t in ts] for g, ts in self.group_thresholds_.items()}}
+               if self.group_thresholds_ else {}),
             "metrics": strict_json(self.metrics_),
             "datasets": self.datasets_,
             "split": self.split_,
@@ -533,6 +536,8 @@ class Calibrator:
         self.n_fit_ = art.n_fit
         self.n_fit_invalid_ = art.n_fit_invalid
         self.thresholds_ = [Threshold(**t.model_dump()) for t in art.thresholds]
+        self.group_thresholds_ = {g: [Threshold(**t.model_dump()) for t in ts]
+                                  for g, ts in (art.group_thresholds or {}).items()}
         self.metrics_ = art.metrics
         self.datasets_ = [d.model_dump() for d in art.datasets]
         self.split_ = art.split

@@ -50,7 +50,8 @@ from guarduq.calibration.splits import (  # noqa: F401  (re-exported: imports fr
     hash_unit,
     outside_limits,
 )
-from guarduq.errors import DatasetError, InputError
+from guarduq.errors import DatasetError, InputError, StoreInputError
+from guarduq.sampling import Sample
 
 log = get_logger("datasets")
 
@@ -306,8 +307,9 @@ class SST2(Dataset):
 
 class LabelledJSONL(Dataset):
     """Already-labelled logs: ``prompt`` (a string or chat messages), ``response``, ``label``
-    (1/true = correct); optional ``id``, ``ended`` (default true: the model closed its turn) and
-    ``guarduq_sample`` (how a reviewed reply was sampled, kept in ``Item.meta``)."""
+    (1/true = correct); optional ``id``, ``ended`` (default true: the model closed its turn),
+    ``group`` (its kind of traffic) and ``guarduq_sample`` (how a reviewed reply was sampled); the
+    last three are kept in ``Item.meta``."""
 
     name = "jsonl"
     kind = "labelled"
@@ -326,6 +328,11 @@ class LabelledJSONL(Dataset):
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
         raw_id = str(row.get("id") or _content_id(text, response))
         meta: dict[str, Any] = {"ended": ended}
+        group = row.get("group")
+        if group is not None:
+            if not isinstance(group, str) or not group:
+                raise _RowError(f"field 'group' must be a non-empty string, got {group!r}")
+            meta["group"] = group  # the traffic group (calibrate --dataset reviews certifies per group)
         if "guarduq_sample" in row:
             meta["sample"] = _sample(row["guarduq_sample"])
             if self.name == "jsonl" and not getattr(self, "_warned_sample", False):
@@ -349,26 +356,12 @@ def _messages(prompt: list[Any]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def _sample(value: Any) -> dict[str, Any]:
-    """A reviewed reply's sampling record: uniform draw, rate and inclusion probabilities."""
-    if not isinstance(value, dict):
-        raise _RowError("field 'guarduq_sample' must be an object")
-    if not isinstance(value.get("uniform"), bool):
-        raise _RowError("field 'guarduq_sample.uniform' must be true or false")
+def _sample(value: Any) -> Sample:
+    """A reviewed reply's sampling record (``Sample.from_json``), else a row error."""
     try:
-        out = {
-            "uniform": value["uniform"],
-            "rate": float(value["rate"]),
-            "extra_probability": float(value["extra_probability"]),
-            "inclusion_probability": float(value["inclusion_probability"]),
-            "reasons": [str(r) for r in value.get("reasons", ())],
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise _RowError(f"field 'guarduq_sample' is incomplete or malformed: {exc}") from None
-    if not (0 <= out["rate"] <= 1 and 0 <= out["extra_probability"] <= 1
-            and 0 < out["inclusion_probability"] <= 1):
-        raise _RowError("field 'guarduq_sample' holds probabilities outside [0, 1]")
-    return out
+        return Sample.from_json(value)
+    except StoreInputError as exc:
+        raise _RowError(f"field 'guarduq_sample': {exc}") from None
 
 
 class Reviews(LabelledJSONL):

@@ -24,7 +24,7 @@ _COMMAND_MODULES = (
     "guarduq.cli.policy",
     "guarduq.cli.sve",
     "guarduq.cli.serve",
-    "guarduq.cli.review",
+    "guarduq.cli.review_page",
 )
 
 

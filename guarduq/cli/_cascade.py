@@ -17,6 +17,7 @@ from guarduq.calibration.cascade import (
     fit_second_stage,
     with_first_risk,
 )
+from guarduq.calibration.reviews import REVIEWS
 from guarduq.cli._certify import check_certified
 from guarduq.cli._scoring import (
     _check_outputs,
@@ -26,7 +27,6 @@ from guarduq.cli._scoring import (
     _sve_plan,
     _xy,
 )
-from guarduq.cli.reviews import REVIEWS
 from guarduq.errors import InputError
 
 

@@ -17,8 +17,9 @@ from typing import Any
 from guarduq._storage import private_file
 from guarduq.calibration.datasets import Dataset, load_dataset
 from guarduq.calibration.features import SVE, SVEShape
+from guarduq.calibration.reviews import REVIEWS
 from guarduq.cli._run import dataset_limits, open_scorer
-from guarduq.cli.reviews import REVIEWS, review_data_file
+from guarduq.cli.calibrate_reviews import review_data_file
 from guarduq.errors import InputError
 
 
@@ -82,7 +83,7 @@ def _load_datasets(args: argparse.Namespace, style: str) -> list[Dataset]:
         if len(args.dataset) > 1 or (args.data and args.store) or len(args.data) > 1:
             raise InputError("--dataset reviews stands alone (--store URL, or --data one exported file; no "
                              "other --dataset): its weights and certificate describe your traffic, not a mix")
-        paths = args.data if args.data else [review_data_file(args)]
+        paths = args.data if args.data else [review_data_file(args.store, args.since, args.runs_dir)]
     else:
         if args.store or args.since:
             raise InputError("--store and --since go with --dataset reviews")

@@ -31,6 +31,15 @@ from guarduq.calibration.analysis import FEATURE_RULES, available, select_featur
 from guarduq.calibration.cascade import DEFAULT_SHARE
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES
 from guarduq.calibration.features import SVE, forward_equivalents
+from guarduq.calibration.reviews import (
+    REVIEWS,
+    check_review_size,
+    group_certificates,
+    review_parts,
+    uniform_only,
+    uniform_reference,
+    weights_summary,
+)
 from guarduq.cli._cascade import _cmd_cascade
 from guarduq.cli._certify import allow_uncertified_arg, check_certified, reasons_for
 from guarduq.cli._help import with_example
@@ -44,14 +53,7 @@ from guarduq.cli._scoring import (
     _sve_shape,
     _xy,
 )
-from guarduq.cli.reviews import (
-    REVIEWS,
-    check_review_size,
-    review_parts,
-    uniform_only,
-    uniform_reference,
-    weights_summary,
-)
+from guarduq.cli.calibrate_reviews import review_progress
 from guarduq.errors import CalibrationError, InputError
 from guarduq.models import DEFAULT_MODEL
 
@@ -249,7 +251,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
     weights, n_uniform = None, 0
     if REVIEWS in args.dataset:  # weighted fit, certificate from the uniform sample only
-        parts, weights, n_uniform = review_parts(ok, datasets, fractions, getattr(args, "review_progress", None))
+        parts, weights, n_uniform = review_parts(ok, datasets, fractions, review_progress(args.store))
         check_review_size(parts, n_uniform, alphas, args.delta, fractions)
     else:
         split = _splitter(datasets, fractions)
@@ -274,6 +276,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if weights is not None:
         uniform_reference(cal, ok, datasets)
     cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
+    if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
+        cal.group_thresholds_ = group_certificates(cal, parts, datasets, alphas, args.delta)
     reviews = weights is not None  # labels that count: the uniform sample's
     check_certified(args, args.out, cal.thresholds_, reasons_for(
         cal.thresholds_, parts["threshold"], n_labels=n_uniform if reviews else len(ok),
@@ -316,7 +320,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if sve is not None:
         payload["sve"] = {**sve.describe(), **({"shape": asdict(shape)} if shape else {})}
     if weights is not None:
-        payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights)}
+        payload["reviews"] = {"uniform": n_uniform, "weights": weights_summary(weights),
+                              "groups": {g: [t.__dict__ for t in ts] for g, ts in cal.group_thresholds_.items()}}
     header = (
         f"calibrator written to {args.out} (sha256 {sha[:12]}); fit on {len(parts['fit'])}, "
         f"thresholds on {len(parts['threshold'])}, metrics on {len(parts['test'])} held-out items\n"

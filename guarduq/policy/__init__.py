@@ -8,6 +8,7 @@ interface a second opinion offers. ``escalation`` delivers escalated answers to 
 
 from guarduq.policy.audit import AuditLog, make_record
 from guarduq.policy.conditions import Check
+from guarduq.policy.context import InForce, current_group, group_of, in_force, traffic_group
 from guarduq.policy.engine import Decision, EscalationInfo, Policy
 from guarduq.policy.escalation import (
     CallableSink,
@@ -56,6 +57,7 @@ __all__ = [
     "Condition",
     "Decision",
     "EscalationInfo",
+    "InForce",
     "JsonlSink",
     "JsonlSinkConfig",
     "Policy",
@@ -66,9 +68,13 @@ __all__ = [
     "SinkConfig",
     "WebhookSink",
     "WebhookSinkConfig",
+    "current_group",
+    "group_of",
+    "in_force",
     "make_record",
     "make_signals",
     "make_sink",
     "render_template",
+    "traffic_group",
     "validate_policy_text",
 ]

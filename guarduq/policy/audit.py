@@ -63,8 +63,10 @@ def make_record(
     prompt: PromptLike | None = None,
     response: str | None = None,
     log_text: bool = False,
+    in_force: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The one audit line of a guarded call. ``decision`` is ``Decision.to_dict()``."""
+    """The one audit line of a guarded call. ``decision`` is ``Decision.to_dict()``; ``in_force``
+    the reply's group, drift case and certificate (``guarduq.policy.context.InForce.to_dict()``)."""
     decision = dict(decision or {})
     record: dict[str, Any] = {
         "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
@@ -80,6 +82,7 @@ def make_record(
         "shadow": decision.get("shadow", False),
         "errors": list(decision.get("errors", ())),
         "latency_ms": round(latency_s * 1000.0, 3),
+        **({"in_force": dict(in_force)} if in_force is not None else {}),
     }
     record.update(text_fields("prompt", prompt, log_text=log_text))
     record.update(text_fields("response", response, log_text=log_text))

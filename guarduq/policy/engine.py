@@ -366,11 +366,14 @@ class Policy:
         request_id: str | None = None,
         model_fingerprint: str | None = None,
         ended: bool = True,
+        override: Any = None,
+        override_reason: str | None = None,
     ) -> Decision:
         """Apply the rules to ``signals`` (see ``make_signals``); first match wins.
 
         ``ended`` (whether the reply closed its turn) is handed to a second-opinion provider
-        that accepts it.
+        that accepts it. ``override``: a rule that replaces the rules for this reply (a drift
+        action, a group's fallback: ``guarduq.policy.context``), ``override_reason`` why.
 
         Runtime failures (a non-finite signal, a failing second opinion or sink) give the
         ``on_error`` decision; configuration mistakes raise ``PolicyError``.
@@ -385,7 +388,11 @@ class Policy:
             _check_finite(values, self.signals_used())
             lines: list[str] = []
             waiting: list[str] = []  # rules left undecided by an uncertified threshold
-            rule, checks = self._first_match(self.config.rules, values, lines, prefix="", waiting=waiting)
+            if override is not None:
+                rule, checks = override, []
+                lines.append(f"in force: {override_reason or override.name} (the rules are not applied)")
+            else:
+                rule, checks = self._first_match(self.config.rules, values, lines, prefix="", waiting=waiting)
             so, outer_name = None, None
             if isinstance(rule, SecondOpinionRule):
                 assert provider is not None  # checked above
@@ -474,7 +481,8 @@ class Policy:
         else:  # EscalateRule
             action, shown = "escalate", not rule.hold
             text = render_template(rule.message, template_values) if rule.hold else response
-            escalation = EscalationInfo(rule.sink, rule.hold, delivered=False)
+            # an override without a sink: withheld for the review queue only (no delivery)
+            escalation = EscalationInfo(rule.sink, rule.hold, delivered=False) if rule.sink else None
         if waiting and not shown:  # withheld for want of a certificate: say so, quote no risk
             text = UNCERTIFIED.format(alpha=self.alpha)
             lines.append(f"withheld because no threshold is certified at alpha {self.alpha:g} "

@@ -302,6 +302,49 @@ class ReviewSettings(_Strict):
         return self
 
 
+DEFAULT_UNMEASURED = ("This question is of a kind the answer checks were not measured on, so the answer "
+                      "is held for review.")
+
+
+class Override(_Strict):
+    """What a reply gets while a condition holds, in place of the rules: ``rules`` (decide as
+    usual), ``abstain`` or ``escalate`` (to ``sink``, or with no sink, withheld and sent to the
+    review queue only, as every escalation is sampled); ``review_rate`` raises review to at least
+    that share of these replies. The message never quotes a risk: it is not the reason."""
+
+    action: Literal["rules", "abstain", "escalate"] = "rules"
+    sink: str | None = None
+    hold: bool = Field(True, description="escalate: true shows `message` instead of the answer")
+    message: Message = DEFAULT_UNMEASURED
+    review_rate: float | None = Field(None, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        if data == "pooled":  # groups.fallback: pooled = the rules with the pooled threshold
+            return {"action": "rules"}
+        return {"action": data} if isinstance(data, str) else data
+
+
+class OnDrift(_Strict):
+    """What happens while the live drift window reads ``unseen``, or ``slice:<group>`` for a
+    group with no certificate of its own (``guarduq.calibration.drift_groups``)."""
+
+    unseen: Override = Override()
+    slice: Override = Override()
+
+
+class GroupSettings(_Strict):
+    """Traffic groups: a reply's group is its request's ``metadata.group``, else ``by_key`` of
+    the API key's name, else ``default``; a group with a certificate of its own (``calibrate
+    --dataset reviews``) is decided with its own threshold, any other by ``fallback``."""
+
+    by_key: dict[str, Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=dict, description="API key name -> group")
+    default: str | None = Field(None, min_length=1, max_length=64)
+    fallback: Override = Override()  # `pooled` (the default), `escalate`, or an Override
+
+
 class PolicyConfig(_Strict):
     """The whole policy file."""
 
@@ -318,6 +361,8 @@ class PolicyConfig(_Strict):
     on_error: OnError = OnError()
     audit: AuditSettings = AuditSettings()
     review: ReviewSettings = ReviewSettings()
+    on_drift: OnDrift = OnDrift()
+    groups: GroupSettings = GroupSettings()
     sinks: dict[str, SinkConfig] = Field(default_factory=dict)
     rules: list[Rule] = Field(min_length=1)
 

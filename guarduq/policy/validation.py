@@ -203,6 +203,14 @@ def _semantic_issues(cfg: PolicyConfig, locator: _Locator) -> list[PolicyIssue]:
             add(loc, f"{op} needs [low, high], got [{values[0]:g}, {values[1]:g}]")
 
     check_rules(cfg.rules, ("rules",), nested=False)
+    overrides = [(("on_drift", "unseen"), cfg.on_drift.unseen), (("on_drift", "slice"), cfg.on_drift.slice),
+                 (("groups", "fallback"), cfg.groups.fallback)]
+    for loc, o in overrides:
+        if o.sink is not None and o.sink not in cfg.sinks:
+            declared = ", ".join(sorted(cfg.sinks)) or "none declared"
+            add((*loc, "sink"), f"sink {o.sink!r} is not declared under 'sinks' ({declared})")
+        if o.sink is not None and o.action != "escalate":
+            add((*loc, "sink"), f"a sink is used by action 'escalate' only, not {o.action!r}")
     return issues
 
 

@@ -59,7 +59,7 @@ class Page:
             token = self.csrf.mint()
         html = self.env.get_template(template).render(
             base=base(request), csrf=token, reviewer=self.reviewer(request), title=title,
-            progress=self.progress(), named_by_login=bool(request.state.caller.user), **ctx)
+            progress=self.progress(getattr(ctx.get("q"), "group", None)), named_by_login=bool(request.state.caller.user), **ctx)
         resp = HTMLResponse(html)
         if fresh:
             resp.set_cookie(CSRF_COOKIE, str(token), httponly=True, samesite="strict",
@@ -74,13 +74,16 @@ class Page:
             return HTMLResponse(html, status_code=exc.status, headers=exc.headers)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    def progress(self) -> Progress:
+    def progress(self, group: str | None = None) -> Progress:
+        """The progress line, of one traffic group's labels when the queue is filtered by group
+        (each group's own certificate counts its own uniform labels)."""
         s = self.settings
         alpha = self.alpha_of() if self.alpha_of is not None else s.alpha
         if alpha is not None and not 0 < alpha < 1:
             alpha = None
         fraction = self.fraction_of() if self.fraction_of is not None else s.threshold_fraction
-        return progress(self.store.progress(), alpha=alpha, delta=s.delta, threshold_fraction=fraction)
+        counts = self.store.progress(group=group) if group is not None else self.store.progress()
+        return progress(counts, alpha=alpha, delta=s.delta, threshold_fraction=fraction)
 
 
 def base(request: Request) -> str:

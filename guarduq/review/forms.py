@@ -56,9 +56,10 @@ class Filters(BaseModel):
     risk_max: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     labelled: bool | None = None
     current: Label | None = None  # the current label is this
+    group: str | None = Field(None, min_length=1, max_length=64)  # the replies' traffic group
     unlabelled_first: bool = True
 
-    _blanks = field_validator("reason", "action", "risk_min", "risk_max", "labelled", "current",
+    _blanks = field_validator("reason", "action", "risk_min", "risk_max", "labelled", "current", "group",
                               mode="before")(_blank_is_none)
 
     @field_validator("unlabelled_first", mode="before")
@@ -75,7 +76,8 @@ class Filters(BaseModel):
     def selection(self) -> Selection:
         """The store's ``Filters`` these select (``Store.queue``/``count``/``next_unlabelled``)."""
         return Selection(reason=self.reason, action=self.action, risk_min=self.risk_min,
-                         risk_max=self.risk_max, labelled=self.labelled, label=self.current)
+                         risk_max=self.risk_max, labelled=self.labelled, label=self.current,
+                         group=self.group)
 
     def store_filters(self) -> dict[str, Any]:
         """``selection()`` as keyword arguments for ``Store.queue``/``count``."""
@@ -89,12 +91,12 @@ class Filters(BaseModel):
         """Just the filters (a form or page model carries more fields)."""
         return Filters(reason=self.reason, action=self.action, risk_min=self.risk_min,
                        risk_max=self.risk_max, labelled=self.labelled, current=self.current,
-                       unlabelled_first=self.unlabelled_first)
+                       group=self.group, unlabelled_first=self.unlabelled_first)
 
     def params(self) -> dict[str, str]:
         """The non-default filters as query parameters (for links and hidden form fields)."""
         out: dict[str, str] = {}
-        for k in ("reason", "action", "risk_min", "risk_max", "current"):
+        for k in ("reason", "action", "risk_min", "risk_max", "current", "group"):
             v = getattr(self, k)
             if v is not None:
                 out[k] = f"{v:g}" if isinstance(v, float) else str(v)

@@ -35,7 +35,7 @@ def add_page_routes(app: FastAPI, page: Page) -> None:
         rows = store.queue(**filters, unlabelled_first=q.unlabelled_first, limit=s.page_size,
                            offset=(q.page - 1) * s.page_size)
         return page.render(request, "queue.html", title="Review queue", q=q, rows=rows, total=total,
-                           pages=pages, item_query=q.query())
+                           pages=pages, item_query=q.query(), groups=store.groups())
 
     @app.get("/items/{request_id}")
     def item_page(request: Request, request_id: str) -> HTMLResponse:

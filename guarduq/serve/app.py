@@ -52,6 +52,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
     tracer = tracing.make_tracer()
     srv = Server(guard, s, s.model_ids or (guard.info.name,), None, metrics, None,
                  _drift_monitor(guard.calibrator, s))  # the worker swaps drift with the calibrator
+    guard.drift = srv.drift  # the case the policy's on_drift acts on
 
     def on_done(job: Job, r: GuardedResponse) -> None:
         metrics.observe_response(job.kind if job.kind == "score" else "chat", r)
@@ -78,7 +79,7 @@ def create_app(guard: Guard, *, settings: Settings | None = None) -> FastAPI:
         monitor = _drift_monitor(new.calibrator, s)
 
         def apply() -> None:
-            srv.drift = app.state.drift = monitor
+            srv.drift = app.state.drift = guard.drift = monitor
             if monitor is not None:
                 metrics.observe_drift(monitor.snapshot(), monitor.case())
         return apply

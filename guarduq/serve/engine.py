@@ -31,6 +31,7 @@ import torch
 
 from guarduq._logging import get_logger
 from guarduq.guard import Guard, GuardedResponse
+from guarduq.policy.context import traffic_group
 from guarduq.scoring.uncertainty import model_lock
 
 log = get_logger("serve")
@@ -61,13 +62,14 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     started_ns: int = 0
     decider: Any = None  # the Guard's policy/calibrator pair when the worker started the job
+    group: str | None = None  # the traffic group whose certificate decides the reply
 
     def batch_key(self) -> tuple[Any, ...] | None:
         """Jobs with equal keys can share one ``generate_batch`` call; None: run alone."""
         if self.kind != "generate" or self.seed is not None or self.stop:
             return None
         try:
-            return tuple(sorted(self.gen.items()))
+            return (self.group, *sorted(self.gen.items()))  # one batch, one traffic group
         except TypeError:
             return None
 
@@ -213,10 +215,11 @@ class Engine:
             if self._on_start is not None:
                 self._on_start(batch)
             try:
-                if len(batch) > 1:
-                    self._run_batch(batch)
-                else:
-                    self._run_one(batch[0])
+                with traffic_group(batch[0].group):  # the Guard decides with this group's certificate
+                    if len(batch) > 1:
+                        self._run_batch(batch)
+                    else:
+                        self._run_one(batch[0])
             except BaseException as exc:  # never let the worker die; hand the error on
                 for j in batch:
                     self._fail(j, exc)

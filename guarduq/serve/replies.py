@@ -22,7 +22,7 @@ from guarduq.serve.schema import ApiError, ChatRequest, completion_id, now
 log = get_logger("serve")
 
 
-def _guard_error(exc: GuardUQError) -> ApiError:
+def guard_error(exc: GuardUQError) -> ApiError:
     if isinstance(exc, InputError):
         return ApiError(400, str(exc), code="invalid_value")
     log.error("serve_guard_error", error=type(exc).__name__, message=str(exc)[:300])
@@ -44,11 +44,11 @@ def _finish_reason(req: ChatRequest, r: GuardedResponse, usage: dict[str, int], 
     return "length"
 
 
-def _guarduq(r: GuardedResponse) -> dict[str, Any]:
+def guarduq_object(r: GuardedResponse) -> dict[str, Any]:
     return r.metadata("model")  # NaN scores (an invalid reply) become null in _Json
 
 
-def _header(r: GuardedResponse) -> dict[str, str]:
+def verdict_header(r: GuardedResponse) -> dict[str, str]:
     """``x-guarduq``: the verdict in one header, for clients that drop unknown body fields
     (LangChain's ChatOpenAI shows it with ``include_response_headers=True``)."""
     d = r.decision
@@ -62,7 +62,7 @@ def _finite_json(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
 
-def _completion(req: ChatRequest, model: str, r: GuardedResponse, guard: Guard, n_prompt: int,
+def completion_body(req: ChatRequest, model: str, r: GuardedResponse, guard: Guard, n_prompt: int,
                 max_new: int) -> dict[str, Any]:
     usage = _usage(guard, r, n_prompt)
     return {
@@ -71,11 +71,11 @@ def _completion(req: ChatRequest, model: str, r: GuardedResponse, guard: Guard, 
         "choices": [{"index": 0, "finish_reason": _finish_reason(req, r, usage, max_new), "logprobs": None,
                      "message": {"role": "assistant", "content": r.shown_text, "refusal": None}}],
         "usage": usage,
-        "guarduq": _guarduq(r),
+        "guarduq": guarduq_object(r),
     }
 
 
-async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any], guard: Guard,
+async def sse_stream(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any], guard: Guard,
                n_prompt: int, max_new: int, metrics: ServerMetrics) -> AsyncIterator[bytes]:
     """SSE chunks. Enforce mode holds the text back until the policy decided (a withheld answer
     never reaches the client); shadow mode or no policy streams it live."""
@@ -101,7 +101,7 @@ async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any]
                     yield chunk({"content": item})
                 continue
             if isinstance(item, BaseException):
-                err = _guard_error(item) if isinstance(item, GuardUQError) else \
+                err = guard_error(item) if isinstance(item, GuardUQError) else \
                     ApiError(500, "generation failed", type="server_error")
                 yield b"data: " + json_line(err.body()).rstrip(b"\n") + b"\n\n"
                 break
@@ -109,7 +109,7 @@ async def _sse(req: ChatRequest, model: str, job: Job, items: asyncio.Queue[Any]
             usage = _usage(guard, r, n_prompt)
             if not live and r.shown_text:
                 yield chunk({"content": r.shown_text})
-            yield chunk({}, _finish_reason(req, r, usage, max_new), guarduq=_guarduq(r))
+            yield chunk({}, _finish_reason(req, r, usage, max_new), guarduq=guarduq_object(r))
             if req.stream_options is not None and req.stream_options.include_usage:
                 body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [], "usage": usage}

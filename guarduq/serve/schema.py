@@ -63,6 +63,7 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     user: str | None = Field(None, max_length=512)
+    metadata: dict[str, Any] | None = None  # metadata.group: the reply's traffic group (its certificate)
     # Features guarduq does not have; a value that asks for them is refused (see unsupported()).
     tools: Any = None
     tool_choice: Any = None
@@ -76,6 +77,19 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = None
     audio: Any = None
     modalities: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _group(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        g = (v or {}).get("group")
+        if g is not None and (not isinstance(g, str) or not g.strip() or len(g) > 64 or "\0" in g):
+            raise ValueError("metadata.group names a traffic group: a non-empty string of at most 64 characters")
+        return v
+
+    def traffic_group(self) -> str | None:
+        """``metadata.group``, stripped (None: not given)."""
+        g = (self.metadata or {}).get("group")
+        return g.strip() if isinstance(g, str) else None
 
     @field_validator("stop")
     @classmethod

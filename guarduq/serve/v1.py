@@ -15,10 +15,17 @@ from guarduq import layout
 from guarduq._http import read_limited
 from guarduq.errors import GuardUQError, InputError
 from guarduq.guard import Guard, GuardedResponse
+from guarduq.policy.context import group_of
 from guarduq.serve.context import Json, Server, Settings
 from guarduq.serve.engine import Cancelled, Engine, Job, QueueFull
 from guarduq.serve.metrics import ServerMetrics
-from guarduq.serve.replies import _completion, _guard_error, _guarduq, _header, _sse
+from guarduq.serve.replies import (
+    completion_body,
+    guard_error,
+    guarduq_object,
+    sse_stream,
+    verdict_header,
+)
 from guarduq.serve.schema import (
     ApiError,
     ChatRequest,
@@ -56,15 +63,16 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
         gen, max_new = _generation(req, s, guard)
         n_prompt = _check_tokens(guard, prompt, max_new, s)
         kind = "stream" if req.stream else "generate"
-        job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed)
+        job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed,
+                  group=group_of(srv.pair().policy, req.traffic_group()))
         if not req.stream:
             r = await _wait(request, _submit(engine, job, s, metrics), metrics)
-            return Json(_completion(req, model_ids[0], r, guard, n_prompt, max_new), headers=_header(r))
+            return Json(completion_body(req, model_ids[0], r, guard, n_prompt, max_new), headers=verdict_header(r))
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
         job.push = lambda item: loop.call_soon_threadsafe(items.put_nowait, item)
         _submit(engine, job, s, metrics)
-        return StreamingResponse(_sse(req, model_ids[0], job, items, guard, n_prompt, max_new, metrics),
+        return StreamingResponse(sse_stream(req, model_ids[0], job, items, guard, n_prompt, max_new, metrics),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -84,7 +92,7 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
         job = Job("score", prompt, response=req.response, ended=req.ended)
         r = await _wait(request, _submit(engine, job, s, metrics), metrics)
         return Json({"object": "guarduq.score", "model": model_ids[0], "shown_text": r.shown_text,
-                     "guarduq": _guarduq(r)}, headers=_header(r))
+                     "guarduq": guarduq_object(r)}, headers=verdict_header(r))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -186,7 +194,7 @@ async def _wait(request: Request, job: Job, metrics: ServerMetrics) -> GuardedRe
         job.cancel()
         raise
     except GuardUQError as exc:
-        raise _guard_error(exc) from None
+        raise guard_error(exc) from None
     finally:
         gone.cancel()
 

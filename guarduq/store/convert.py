@@ -104,6 +104,8 @@ def reply_values(r: ReplyRecord) -> dict[str, Any]:
         "response": clean_optional_text(r.response, "response"),
         "tokens": clean(r.tokens, "tokens"),
         "token_probs": clean(r.token_probs, "token_probs"),
+        "group_name": label_text(r.group, "group"),
+        "drift_case": label_text(r.drift, "drift", 96),
     }
 
 
@@ -141,7 +143,17 @@ def reply_of(row: Mapping[str, Any]) -> ReplyRecord:
         tokens=row["tokens"],
         token_probs=row["token_probs"],
         ended=bool(row["ended"]),
+        group=row.get("group_name"),
+        drift=row.get("drift_case"),
     )
+
+
+def label_text(value: str | None, what: str, limit: int = 64) -> str | None:
+    """A short name (a group, a drift case) fit for its column: at most ``limit`` characters."""
+    text = clean_optional_text(value, what)
+    if text is not None and len(text) > limit:
+        raise StoreInputError(f"{what} must be at most {limit} characters, got {len(text)}")
+    return text
 
 
 def reasons_of(text: str) -> tuple[str, ...]:
@@ -198,4 +210,5 @@ def queue_row_of(row: Mapping[str, Any]) -> QueueRow:
         label=row["label"],
         n_labels=int(row["n_labels"] or 0),
         preview=preview(row["preview"]),
+        group=row.get("group_name"),
     )

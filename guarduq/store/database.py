@@ -272,17 +272,21 @@ class Store:
                 nxt = conn.execute(q.where(ITEMS.c.request_id != after)).scalar()
             return nxt
 
-    def progress(self) -> dict[str, Any]:
+    def progress(self, group: str | None = None) -> dict[str, Any]:
         """Counts for the review page and for deciding when there are enough labels.
 
         ``labelled``: items whose current label is right or wrong (usable for calibration);
         ``unsure``: current label unsure; ``labelled_uniform`` / ``wrong_uniform``: the same
         among items the uniform draw picked (the simple random sample a certificate rests on);
         ``by_reason``: items per reason (an item picked for two reasons counts under both).
+        ``group``: count one traffic group's replies and items only (its own certificate's count).
         """
+        replies_q = select(func.count()).select_from(REPLIES)
+        if group is not None:
+            replies_q = replies_q.where(REPLIES.c.group_name == group)
         with self._read("progress") as conn:
-            replies = int(conn.execute(select(func.count()).select_from(REPLIES)).scalar_one())
-            row = conn.execute(progress_query(Joined())).mappings().one()
+            replies = int(conn.execute(replies_q).scalar_one())
+            row = conn.execute(progress_query(Joined(), group)).mappings().one()
         out: dict[str, Any] = {"replies": replies}
         for key in ("items", "unlabelled", "labelled", "right", "wrong", "unsure", "labelled_uniform", "wrong_uniform"):
             out[key] = int(row[key] or 0)
@@ -323,37 +327,41 @@ class Store:
                 sample=sample_of(r),
                 model_fingerprint=r["model_fingerprint"],
                 scores=dict(r["scores"] or {}),
+                group=r["group_name"],
             )
             for r in rows
         ]
+
+    def groups(self) -> dict[str, int]:
+        """Traffic group -> review items of that group (replies without a group are left out)."""
+        q = (select(REPLIES.c.group_name, func.count())
+             .select_from(ITEMS.join(REPLIES, REPLIES.c.request_id == ITEMS.c.request_id))
+             .where(REPLIES.c.group_name.is_not(None)).group_by(REPLIES.c.group_name)
+             .order_by(REPLIES.c.group_name))
+        with self._read("groups") as conn:
+            return {str(g): int(n) for g, n in conn.execute(q).all()}
 
     def export_jsonl(
         self, out: TextIO, *, since: datetime | None = None
     ) -> int:
         """Write the labelled reviews as ``jsonl`` dataset lines (``guarduq calibrate --dataset
         jsonl``): ``id``, ``prompt``, ``response``, ``label`` (1 = right, 0 = wrong), ``ended`` and
-        ``guarduq_sample`` (the sampling record calibration reweights with). Returns the lines
-        written.
+        ``guarduq_sample`` (the sampling record calibration reweights with), and ``group`` where the
+        reply has a traffic group (calibration certifies per group). Returns the lines written.
 
         Chat-message prompts are written as message lists (the ``jsonl`` and ``reviews`` loaders
         read both).
         """
         n = 0
         for r in self.labelled(since=since):
-            s = r.sample
             line = {
                 "id": r.request_id,
                 "prompt": r.prompt,
                 "response": r.response,
                 "label": r.correct,
                 "ended": r.ended,
-                "guarduq_sample": {
-                    "uniform": s.uniform,
-                    "rate": s.rate,
-                    "extra_probability": s.extra_probability,
-                    "inclusion_probability": s.inclusion_probability,
-                    "reasons": list(s.reasons),
-                },
+                "guarduq_sample": r.sample.to_json(),
+                **({"group": r.group} if r.group is not None else {}),
             }
             out.write(json.dumps(line, ensure_ascii=False, allow_nan=False) + "\n")
             n += 1

@@ -70,6 +70,8 @@ class Joined:
             conds.append(self.unlabelled)
         if f.label is not None:
             conds.append(self.cur.c.label == f.label)
+        if f.group is not None:
+            conds.append(REPLIES.c.group_name == f.group)
         return conds
 
     def rows(self, f: Filters) -> Select[Any]:
@@ -86,6 +88,7 @@ class Joined:
                 self.cur.c.label,
                 self.agg.c.n_labels,
                 func.substr(REPLIES.c.response, 1, PREVIEW_READ + 1).label("preview"),
+                REPLIES.c.group_name,
             )
             .select_from(self.source)
             .where(*self.where(f))
@@ -110,8 +113,8 @@ class Joined:
         )
 
 
-def progress_query(j: Joined) -> Select[Any]:
-    """Counts over all review items in one pass (see ``Store.progress``)."""
+def progress_query(j: Joined, group: str | None = None) -> Select[Any]:
+    """Counts over all review items (of one traffic ``group``) in one pass (see ``Store.progress``)."""
     label = j.cur.c.label
     decided = label.in_(("right", "wrong"))
     uniform = ITEMS.c.uniform.is_(True)
@@ -131,4 +134,5 @@ def progress_query(j: Joined) -> Select[Any]:
         n(ITEMS.c.reasons.like("%escalation%")).label("escalation"),
         n(uniform).label("uniform"),
         n(ITEMS.c.reasons.like("%band%")).label("band"),
-    ).select_from(j.source)
+        n(ITEMS.c.reasons.like("%drift%")).label("drift"),
+    ).select_from(j.source).where(*j.where(Filters(group=group)))

@@ -7,7 +7,8 @@ Three kinds of row:
   fingerprint, policy and calibrator identity, scores, risk, decision. Its text (prompt, reply,
   token pieces and probabilities) is kept only where the policy opts in: ``audit.log_text`` for
   every reply, ``review.keep_text`` for sampled ones.
-- a review item per sampled reply: the ``Sample`` that chose it (why, and with what probability).
+- a review item per sampled reply: the ``Sample`` that chose it (why, and with what probability;
+  defined in ``guarduq.sampling``, re-exported here).
 - any number of ``LabelRecord`` per review item (the history); the most recent one counts.
 """
 
@@ -20,10 +21,11 @@ from datetime import datetime
 from typing import Any, Literal, get_args
 
 from guarduq.errors import StoreInputError
+from guarduq.sampling import Sample
 
 Label = Literal["right", "wrong", "unsure"]
 LABELS: tuple[str, ...] = get_args(Label)
-Reason = Literal["escalation", "uniform", "band"]
+Reason = Literal["escalation", "uniform", "band", "drift"]
 REASONS: tuple[str, ...] = get_args(Reason)
 
 
@@ -38,12 +40,15 @@ class Filters:
     risk_max: float | None = None  # risk <= risk_max
     labelled: bool | None = None  # True: at least one label; False: none yet
     label: str | None = None  # the current label is this one (one of LABELS)
+    group: str | None = None  # the replies' traffic group (the policy's groups; metadata.group)
 
     def __post_init__(self) -> None:
         if self.reason is not None and self.reason not in REASONS:
             raise StoreInputError(f"unknown review reason {self.reason!r}; choose one of {list(REASONS)}")
         if self.label is not None and self.label not in LABELS:
             raise StoreInputError(f"unknown label {self.label!r}; choose one of {list(LABELS)}")
+        if self.group is not None and (not isinstance(self.group, str) or not self.group):
+            raise StoreInputError(f"group must be a non-empty string, got {self.group!r}")
         if self.labelled is not None and not isinstance(self.labelled, bool):
             raise StoreInputError(f"labelled must be True, False or None, got {self.labelled!r}")
         for name in ("risk_min", "risk_max"):
@@ -62,28 +67,6 @@ class Filters:
         if unknown:
             raise StoreInputError(f"unknown queue filter(s) {sorted(unknown)}; choose from {[f.name for f in fields(cls)]}")
         return cls(**conditions)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """Whether a reply goes to review, and the probabilities calibration needs to reweight it.
-
-    ``uniform``: the uniform draw (probability ``rate``, independent of everything about the
-    reply) fired; the replies it picks are a simple random sample of traffic, the only part a
-    certificate may rest on. ``extra_probability``: the probability that a reason other than the
-    uniform draw picks this reply (1.0 for an escalation, a band's rate, else 0.0).
-    ``inclusion_probability`` = P(picked for any reason) = 1 - (1 - rate)(1 - extra_probability).
-    """
-
-    reasons: tuple[str, ...]
-    uniform: bool
-    rate: float
-    extra_probability: float
-    inclusion_probability: float
-
-    @property
-    def sampled(self) -> bool:
-        return bool(self.reasons)
 
 
 @dataclass(frozen=True)
@@ -109,6 +92,8 @@ class ReplyRecord:
     tokens: list[str] | None = None  # the reply's token pieces, for shading by probability
     token_probs: list[float] | None = None
     ended: bool = True
+    group: str | None = None  # the kind of traffic whose certificate decided it (None: pooled)
+    drift: str | None = None  # the drift case in force: ok, slice:<group>, unseen (None: no monitor)
 
 
 @dataclass(frozen=True)
@@ -151,6 +136,7 @@ class LabelledReview:
     sample: Sample
     model_fingerprint: str | None
     scores: dict[str, Any]
+    group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +157,7 @@ class QueueRow:
     label: str | None
     n_labels: int
     preview: str | None
+    group: str | None = None
 
 
 PREVIEW_CHARS = 120

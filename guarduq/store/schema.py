@@ -87,10 +87,13 @@ class Reply(Base):
     response: Mapped[str | None] = mapped_column(Text)
     tokens: Mapped[Any | None] = mapped_column(json_type())
     token_probs: Mapped[Any | None] = mapped_column(json_type())
+    group_name: Mapped[str | None] = mapped_column(String(64))  # the traffic group (revision 0002)
+    drift_case: Mapped[str | None] = mapped_column(String(96))  # ok / slice:<group> / unseen in force
 
     __table_args__ = (
         Index("ix_replies_time", "time"),
         Index("ix_replies_risk", "risk"),
+        Index("ix_replies_group_name", "group_name"),
     )
 
 

@@ -8,11 +8,14 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from guarduq.calibration.datasets import load_dataset
 from guarduq.calibration.sizing import accepted_needed
 from guarduq.calibration.thresholds import start_size
+from guarduq.errors import StoreInputError
 from guarduq.review import progress
-from guarduq.store import Store
+from guarduq.store import Filters, Store
 from tests.review.conftest import UNIFORM, client, csrf, fill, page_client, reply
 
 
@@ -348,3 +351,37 @@ def test_filter_choices_follow_the_policy_and_store() -> None:
     assert choices(Filters, "reason") == REASONS and choices(Filters, "action") == ACTIONS
     assert choices(Filters, "current") == LABELS
     assert get_args(LabelForm.model_fields["label"].annotation) == LABELS
+
+
+def test_queue_and_progress_per_traffic_group(store: Store) -> None:
+    """Each group's certificate counts its own uniform labels: the page filters and counts by group."""
+    for i in range(6):
+        store.record(reply(i, group="legal" if i % 2 else "support"), UNIFORM)
+    store.record(reply(6), UNIFORM)  # no group
+    for i, lab in ((1, "wrong"), (3, "right"), (0, "right")):
+        store.add_label(f"req{i:04d}", reviewer="ann", label=lab)
+    c = client(store, alpha=0.3, delta=0.1)
+    html = c.get("/").text
+    assert 'name="group"' in html and "legal (3)" in html and "support (3)" in html
+    legal = c.get("/?group=legal").text
+    assert _ids(legal) == ["req0005", "req0003", "req0001"]
+    line = re.search(r'id="progress">(.*?)</p>', legal).group(1)
+    assert line.startswith("2 of 3 labelled (2 from the uniform sample, 1 of them wrong")
+    everything = re.search(r'id="progress">(.*?)</p>', html).group(1)
+    assert everything.startswith("3 of 7 labelled")
+    # the next unlabelled item stays inside the group (req0005 is legal's only unlabelled one)
+    assert store.next_unlabelled(after="req0005", group="legal") is None
+    assert store.next_unlabelled(after="req0005") == "req0004"  # without the group: the next older one
+    assert c.get("/?group=" + "x" * 65).status_code == 400
+    # the group is one field of the store's one Filters object: form -> selection -> store
+    from guarduq.review.forms import QueuePage
+    q = QueuePage(group="legal", labelled=False)
+    assert q.selection() == Filters(group="legal", labelled=False)
+    assert _ids_of(store.queue(q.selection())) == ["req0005"]
+    assert store.count(Filters(group="support")) == 3
+    with pytest.raises(StoreInputError, match="group must be a non-empty string"):
+        Filters(group="")
+
+
+def _ids_of(rows: list) -> list[str]:
+    return [r.request_id for r in rows]

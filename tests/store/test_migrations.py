@@ -23,7 +23,7 @@ def test_fresh_database_gets_head(store_url: str) -> None:
         pass
     engine = _engine(store_url)
     with engine.connect() as conn:
-        assert migrate.current_revision(conn) == migrate.head() == "0001"
+        assert migrate.current_revision(conn) == migrate.head() == "0002"
         tables = set(inspect(conn).get_table_names())
     engine.dispose()
     assert {"replies", "review_items", "labels", VERSION_TABLE} <= tables
@@ -61,7 +61,7 @@ def test_newer_revision_is_refused(store_url: str) -> None:
         conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '0042_from_the_future'"))
     engine.dispose()
     with pytest.raises(StoreError, match=r"schema revision '0042_from_the_future', which guarduq .* does "
-                                         r"not know \(its newest is '0001'\): it was written by a newer guarduq"):
+                                         r"not know \(its newest is '0002'\): it was written by a newer guarduq"):
         Store(store_url)
 
 
@@ -74,4 +74,36 @@ def test_existing_tables_of_another_app_are_left_alone(store_url: str) -> None:
         s.record(reply(1), UNIFORM)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "abc123"
+    engine.dispose()
+
+
+def test_a_store_at_0001_upgrades_keeping_its_replies_and_then_holds_group_and_drift(store_url: str) -> None:
+    """0002 adds each reply's traffic group and drift case; replies written before read None."""
+    engine = _engine(store_url)
+    with engine.begin() as conn:
+        cfg = migrate._config()
+        cfg.attributes["connection"] = conn
+        migrate.command.upgrade(cfg, "0001")
+        assert migrate.current_revision(conn) == "0001"
+        cols = {c["name"] for c in inspect(conn).get_columns("replies")}
+        assert "group_name" not in cols
+        conn.execute(text(
+            "INSERT INTO replies (request_id, time, parameter_set, scores, shown, escalated, ended) "
+            "VALUES ('old1', '2025-03-01 12:00:00', 'all', '{}', true, false, true)"))
+    engine.dispose()
+    with Store(store_url) as s:  # opening upgrades to head
+        old = s.reply("old1")
+        assert old is not None and old.group is None and old.drift is None
+        s.record(reply(2, group="support", drift="unseen"), UNIFORM)
+        s.record(reply(3, group="legal", drift="slice:arc"), UNIFORM)
+        s.record(reply(4), UNIFORM)
+        new = s.reply("req0002")
+        assert new is not None and (new.group, new.drift) == ("support", "unseen")
+        assert [r.request_id for r in s.queue(group="legal")] == ["req0003"]
+        assert s.count(group="support") == 1 and s.count() == 3
+        assert s.groups() == {"legal": 1, "support": 1}
+        assert s.progress(group="support")["items"] == 1 and s.progress()["items"] == 3
+    engine = _engine(store_url)
+    with engine.connect() as conn:
+        assert migrate.current_revision(conn) == "0002"
     engine.dispose()

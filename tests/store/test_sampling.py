@@ -158,3 +158,42 @@ def test_fit_weights_reweight_the_fit_split_to_the_population() -> None:
         se = est.std(ddof=1) / math.sqrt(reps)
         assert abs(est.mean() - target) <= 4.5 * se + slack, (est.mean(), target, se)
     assert abs(np.mean(naive) - target) > 0.15  # unweighted, the escalations dominate
+
+
+def test_sample_json_round_trips_every_drawn_record_and_refuses_broken_ones() -> None:
+    s = ReviewSampler(rate=0.3, bands=[(0.2, 0.4, 0.4)], escalations=True, seed=5)
+    draws = [s.draw(r, esc) for r in (0.1, 0.3, None) for esc in (False, True) for _ in range(20)]
+    assert {d.reasons for d in draws} >= {("escalation",), ("uniform",), ("band",)}
+    assert all(Sample.from_json(d.to_json()) == d for d in draws)
+    # the export line's field, read by the dataset loader: one spelling in both places
+    assert set(draws[0].to_json()) == {"uniform", "rate", "extra_probability", "inclusion_probability", "reasons"}
+    good = Sample(("uniform",), True, 0.1, 0.0, 0.1).to_json()
+    for broken, says in [({**good, "uniform": "yes"}, "uniform"), ({**good, "rate": 1.5}, "rate"),
+                         ({**good, "inclusion_probability": 0.0}, "above 0"),
+                         ({k: v for k, v in good.items() if k != "rate"}, "lacks 'rate'"),
+                         ({**good, "reasons": "uniform"}, "reasons"), ([1], "object")]:
+        with pytest.raises(StoreInputError, match=says):
+            Sample.from_json(broken)
+
+
+def test_the_store_module_paths_still_name_the_ground_floor_sampler() -> None:
+    import guarduq.sampling as ground
+    import guarduq.store.records as records
+    import guarduq.store.sampling as old
+
+    assert old.Sample is records.Sample is ground.Sample is Sample
+    assert old.ReviewSampler is ground.ReviewSampler and old.fit_weights is ground.fit_weights
+
+
+def test_a_drift_rate_is_an_extra_draw_so_the_uniform_sample_stays_uniform() -> None:
+    s = ReviewSampler(rate=0.1, bands=[(0.0, 0.2, 0.3)], seed=11)
+    n = 20_000
+    draws = [s.draw(0.5, False, drift_rate=1.0) for _ in range(n)]
+    assert all(d.sampled and "drift" in d.reasons for d in draws)  # every reply while drifting
+    assert all(d.extra_probability == 1.0 and d.inclusion_probability == 1.0 for d in draws)
+    assert within(sum(d.uniform for d in draws) / n, 0.1, n)  # the uniform draw is untouched
+    banded = [s.draw(0.1, False, drift_rate=0.2) for _ in range(n)]  # the band's 0.3 is larger
+    assert within(sum("band" in d.reasons for d in banded) / n, 0.3, n)
+    assert not any("drift" in d.reasons for d in banded)
+    with pytest.raises(StoreInputError, match="drift review rate"):
+        s.draw(0.5, False, drift_rate=2.0)

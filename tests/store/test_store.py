@@ -14,7 +14,7 @@ import pytest
 from guarduq.calibration.datasets import load_dataset
 from guarduq.errors import InputError, StoreError, StoreInputError, UnknownItemError
 from guarduq.store import Filters, Store
-from guarduq.store.records import PREVIEW_CHARS, ReviewItem
+from guarduq.store.records import PREVIEW_CHARS, ReviewItem, Sample
 from tests.store.support import (
     BAND,
     ESCALATION,
@@ -279,7 +279,7 @@ def test_next_unlabelled_takes_the_queue_s_filters(store: Store) -> None:
 def test_progress(store: Store) -> None:
     assert store.progress() == {
         "replies": 0, "items": 0, "unlabelled": 0, "labelled": 0, "right": 0, "wrong": 0, "unsure": 0,
-        "labelled_uniform": 0, "wrong_uniform": 0, "by_reason": {"escalation": 0, "uniform": 0, "band": 0},
+        "labelled_uniform": 0, "wrong_uniform": 0, "by_reason": {"escalation": 0, "uniform": 0, "band": 0, "drift": 0},
     }
     fill(store)
     store.record(reply(20), ESCALATION_UNIFORM)
@@ -292,7 +292,7 @@ def test_progress(store: Store) -> None:
     p = store.progress()
     assert p == {
         "replies": 15, "items": 13, "unlabelled": 8, "labelled": 4, "right": 2, "wrong": 2, "unsure": 1,
-        "labelled_uniform": 3, "wrong_uniform": 2, "by_reason": {"escalation": 5, "uniform": 5, "band": 4},
+        "labelled_uniform": 3, "wrong_uniform": 2, "by_reason": {"escalation": 5, "uniform": 5, "band": 4, "drift": 0},
     }
 
 
@@ -344,7 +344,7 @@ def test_export_jsonl_loads_as_a_dataset(store: Store, tmp_path: Path) -> None:
         assert three.prompt == chat
         # the loader keeps the sampling record and ended
         assert one.meta["ended"] is False and two.meta["ended"] is True
-        assert one.meta["sample"]["inclusion_probability"] == 1.0
+        assert one.meta["sample"] == Sample(("escalation",), False, 0.1, 1.0, 1.0)
     assert store.export_jsonl(io.StringIO(), since=T0 + timedelta(minutes=2)) == 2
 
 

@@ -120,3 +120,37 @@ def test_since_keeps_recent_replies_only(tmp_path: Path, tiny_model_dir: Path,
                "--since", "2099-01-01", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out",
                str(tmp_path / "c.json")])
     assert rc == 2 and "since 2099-01-01" in capsys.readouterr().err
+
+
+def test_each_traffic_group_with_the_labels_gets_its_own_certificate_and_a_small_one_none(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from guarduq.calibration import Calibrator
+
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    store = Store(url)
+    rng = np.random.default_rng(3)
+    sizes = {"legal": 150, "support": 150, "rare": 8}  # rare: too few uniform labels to certify
+    i = 0
+    for group, n in sizes.items():
+        for _ in range(n):
+            right = bool(rng.random() < 0.9)
+            answer = "yes" if right else "it is " + "very " * int(rng.integers(2, 6)) + "unclear"
+            r = reply(i, prompt=[{"role": "user", "content": f"question {i}?"}], response=answer, group=group)
+            store.record(r, UNIFORM)
+            store.add_label(r.request_id, reviewer="ann", label="right" if right else "wrong")
+            i += 1
+    store.close()
+    out = tmp_path / "cal.json"
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--alpha", "0.5", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--json", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(capsys.readouterr().out)
+    groups = {g: ts[0] for g, ts in res["reviews"]["groups"].items()}
+    assert set(groups) == set(sizes)
+    assert groups["legal"]["threshold"] is not None and groups["support"]["threshold"] is not None
+    assert groups["rare"]["threshold"] is None  # falls back: the policy's groups.fallback decides
+    in_threshold = sum(split_of(f"reviews:req{j:04d}", **FRACTIONS) == "threshold" for j in range(150, 300))
+    assert groups["support"]["n"] == in_threshold  # certified on its own threshold-split labels only
+    cal = Calibrator.load(out)
+    assert set(cal.group_thresholds_) == set(sizes) and cal.group_thresholds_["rare"][0].threshold is None

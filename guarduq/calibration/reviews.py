@@ -1,120 +1,81 @@
-"""``guarduq calibrate --dataset reviews --store URL``: a calibrator fitted on reviewed traffic.
+"""Calibration from reviewed traffic: which split gets which label, with what weight.
 
 Reviewed replies are not a simple random sample of traffic: every escalation is reviewed, and
 risk bands may be oversampled. So calibration uses them in two ways (docs/review/README.md):
 
 - the **fit** split (the risk model) takes every labelled reply that is not held out, each
   weighted by the inverse of its probability of being in that split (Horvitz-Thompson; see
-  ``guarduq.store.fit_weights``), so the weighted fit targets the traffic, not the sample;
+  ``guarduq.sampling.fit_weights``), so the weighted fit targets the traffic, not the sample;
 - the **threshold** and **test** splits (the certificate and the report) take only replies the
   uniform draw picked, a simple random sample of traffic, split by id hash as every dataset is.
   A certificate computed on escalations would hold for the borderline band, not for traffic.
+
+Each reviewed item's sampling record is a ``guarduq.sampling.Sample`` in ``Item.meta["sample"]``
+(``Sample.from_json`` of the export line's ``guarduq_sample``). Lower layer: no CLI, no store.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import io
 import math
-import os
-from collections.abc import Sequence
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from guarduq._logging import get_logger
-from guarduq._storage import private_file
-from guarduq.calibration.datasets import Dataset
+from guarduq.calibration.dataset_base import Dataset
 from guarduq.calibration.sizing import MIN_PER_CLASS, labels_needed
 from guarduq.calibration.splits import split_of
-from guarduq.errors import CalibrationError, InputError
+from guarduq.errors import CalibrationError
+from guarduq.sampling import Sample, fit_weights
 
-log = get_logger("cli")
+log = get_logger("calibration")
 
-REVIEWS = "reviews"
-
-
-def review_data_file(args: argparse.Namespace) -> Path:
-    """The store's labelled reviews, exported once to ``WORK/reviews/`` (``--work``, default
-    ``./runs``; named by content, so the scoring cache is reused while the labels are unchanged).
-    The file holds prompt and reply text: it is written 0600 in a 0700 folder."""
-    from guarduq.store import Store
-
-    if not args.store:
-        raise InputError("--dataset reviews reads reviewed replies from a store: give --store URL "
-                         "(or --data a file exported from one)")
-    since = parse_since(args.since)
-    store = Store(args.store)
-    try:
-        buf = io.StringIO()
-        n = store.export_jsonl(buf, since=since)
-        args.review_progress = store.progress()  # how many were sampled: the labelled share
-    finally:
-        store.close()
-    if n == 0:
-        when = f" since {since.isoformat()}" if since else ""
-        raise InputError(
-            f"the store holds no reviewed replies labelled right or wrong{when} (with their text: "
-            "the policy must set review.keep_text); label some with `guarduq review --store URL`"
-        )
-    text = buf.getvalue().encode()
-    path = Path(args.runs_dir) / REVIEWS / f"reviews-{hashlib.sha256(text).hexdigest()[:16]}.jsonl"
-    private_file(path)  # prompt and reply text: owner only (0600, in a 0700 folder)
-    if path.stat().st_size != len(text):
-        tmp = private_file(path.with_suffix(f".tmp{os.getpid()}"))
-        tmp.write_bytes(text)
-        os.replace(tmp, path)
-    return path
+REVIEWS = "reviews"  # the dataset name of reviewed traffic
 
 
-def parse_since(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise InputError(f"--since takes an ISO 8601 date or time (2026-12-01, 2026-12-01T09:00), got {text!r}") from None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
+class ReviewParts(NamedTuple):
+    """The three splits of reviewed replies, the fit split's weights, and how many replies the
+    uniform draw picked (the only ones a certificate may rest on)."""
+
+    parts: dict[str, list[Any]]
+    weights: np.ndarray
+    n_uniform: int
+
+
+def samples_of(datasets: Sequence[Dataset]) -> dict[str, Sample]:
+    """Item id -> its sampling record, for every reviewed item of ``datasets``."""
+    return {it.id: it.meta["sample"] for d in datasets for it in d.items if "sample" in it.meta}
 
 
 def review_parts(
-    records: Sequence[Any], datasets: Sequence[Dataset], fractions: dict[str, float],
-    progress: dict[str, Any] | None = None,
-) -> tuple[dict[str, list[Any]], np.ndarray, int]:
-    """Fit / threshold / test parts of reviewed replies, the fit part's weights, and how many
-    replies the uniform draw picked.
+    records: Sequence[Any], datasets: Sequence[Dataset], fractions: Mapping[str, float],
+    progress: Mapping[str, Any] | None = None,
+) -> ReviewParts:
+    """Fit / threshold / test parts of reviewed replies and the fit part's weights.
 
     A uniformly drawn reply goes where its id hash sends it; a reply only another reason picked
-    (an escalation, a band) goes to fit. Its weight is 1 / P(in fit), computed by
-    ``guarduq.store.fit_weights`` from its sampling record.
+    (an escalation, a band) goes to fit. Its weight is 1 / P(in fit) (``fit_weights``).
+    ``progress``: the store's counts (``Store.progress()``), for the labelled shares.
     """
-    from guarduq.store import fit_weights
-    from guarduq.store.records import Sample
-
-    meta = {it.id: it.meta["sample"] for d in datasets for it in d.items}
-    rates = sorted({float(meta[r.id]["rate"]) for r in records if meta[r.id]["uniform"]})
+    meta = samples_of(datasets)
+    rates = sorted({meta[r.id].rate for r in records if meta[r.id].uniform})
     if len(rates) > 1:  # the uniform items are then not one simple random sample
         log.warning("review_rates_differ", rates=rates,
                     hint="the uniform draw ran at several rates (a policy change): pass --since "
                          "the last change so the certificate rests on one simple random sample")
     parts: dict[str, list[Any]] = {"fit": [], "threshold": [], "test": []}
     for r in records:
-        s = meta[r.id]
-        parts[split_of(r.id, **fractions) if s["uniform"] else "fit"].append(r)
-    samples = [Sample(reasons=tuple(meta[r.id]["reasons"]), uniform=meta[r.id]["uniform"], rate=meta[r.id]["rate"],
-                      extra_probability=meta[r.id]["extra_probability"],
-                      inclusion_probability=meta[r.id]["inclusion_probability"]) for r in parts["fit"]]
+        parts[split_of(r.id, **fractions) if meta[r.id].uniform else "fit"].append(r)
+    samples = [meta[r.id] for r in parts["fit"]]
     fit_fraction = 1 - fractions["test_fraction"] - fractions["threshold_fraction"]
-    n_uniform = sum(bool(meta[r.id]["uniform"]) for r in records)
+    n_uniform = sum(meta[r.id].uniform for r in records)
     shares = labelled_shares(progress, n_uniform, len(records) - n_uniform)
     weights = fit_weights(samples, [s.uniform for s in samples], fit_fraction, labelled_fraction=shares)
-    return parts, np.asarray(weights, dtype=float), n_uniform
+    return ReviewParts(parts, np.asarray(weights, dtype=float), n_uniform)
 
 
-def labelled_shares(progress: dict[str, Any] | None, n_uniform: int, n_other: int) -> tuple[float, float]:
+def labelled_shares(progress: Mapping[str, Any] | None, n_uniform: int, n_other: int) -> tuple[float, float]:
     """(λ_u, λ_o): the shares of uniform-drawn and of other sampled items that are labelled and
     usable here. A labelled uniform share below 1 is warned about: the certificate then assumes
     reviewers picked which uniform items to label without regard to them (queue order does)."""
@@ -132,8 +93,8 @@ def labelled_shares(progress: dict[str, Any] | None, n_uniform: int, n_other: in
 
 
 def check_review_size(
-    parts: dict[str, list[Any]], n_uniform: int, alphas: Sequence[float], delta: float,
-    fractions: dict[str, float],
+    parts: Mapping[str, list[Any]], n_uniform: int, alphas: Sequence[float], delta: float,
+    fractions: Mapping[str, float],
 ) -> None:
     """Refuse, saying how many more labels are needed, when no alpha asked for could be
     certified from the uniform sample, or when the fit split lacks right or wrong answers
@@ -171,18 +132,40 @@ def weights_summary(weights: np.ndarray) -> dict[str, float]:
     return {"n": int(w.size), "effective_n": round(ess, 1), "max_over_min": float(w.max() / w.min()) if w.size else math.nan}
 
 
+def uniform_only(records: Sequence[Any], datasets: Sequence[Dataset]) -> list[Any]:
+    """The records the uniform draw picked: the only ones a reviews calibrator's test split holds,
+    and the simple random sample of traffic a drift reference should describe."""
+    meta = samples_of(datasets)
+    return [r for r in records if r.id in meta and meta[r.id].uniform]
+
+
 def uniform_reference(cal: Any, records: Sequence[Any], datasets: Sequence[Dataset]) -> None:
     """Point the calibrator's drift reference at the uniform sample (a simple random sample of
     the traffic), not at its fit split, which escalations and bands over-represent."""
     from guarduq.calibration.drift import drift_features, reference_quantiles
 
-    meta = {it.id: it.meta["sample"] for d in datasets for it in d.items}
-    uniform = [r.scores for r in records if meta[r.id]["uniform"]]
+    uniform = [r.scores for r in uniform_only(records, datasets)]
     if uniform:
         cal.reference_ = reference_quantiles(uniform, drift_features(cal.features))
 
 
-def uniform_only(records: Sequence[Any], datasets: Sequence[Dataset]) -> list[Any]:
-    """The records the uniform draw picked: the only ones a reviews calibrator's test split holds."""
-    meta = {it.id: it.meta.get("sample") for d in datasets for it in d.items}
-    return [r for r in records if meta.get(r.id) and meta[r.id]["uniform"]]
+def group_certificates(cal: Any, parts: Mapping[str, Sequence[Any]], datasets: Sequence[Dataset],
+                       alphas: Sequence[float], delta: float) -> dict[str, list[Any]]:
+    """Each traffic group's own thresholds (``guarduq.calibration.groups``), certified on the
+    group's share of the threshold split (uniform items only, as the pooled certificate), each
+    test's second start learned on the group's fit-split items (labels the test never reads)."""
+    from guarduq.calibration.groups import certify_groups, group_starts
+
+    group = {it.id: it.meta.get("group") for d in datasets for it in d.items}
+    held, fit = parts["threshold"], parts["fit"]
+    names = [group.get(r.id) for r in held]
+    if not any(names):
+        return {}
+    starts = group_starts(cal.predict_risk([r.scores for r in fit]), [1 - int(r.label) for r in fit],
+                          [group.get(r.id) for r in fit], alphas, delta) if fit else None
+    risk = cal.predict_risk([r.scores for r in held])
+    table = certify_groups(risk, [1 - int(r.label) for r in held], names, alphas, delta, starts)
+    for g, ts in table.items():
+        log.info("group_certificates", group=g, n=ts[0].n if ts else 0,
+                 certified={t.alpha: t.threshold for t in ts})
+    return table
