@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from guarduq.aliases import DEFAULT_MODEL
 from guarduq.calibration import (
     DEFAULT_FEATURE_SET,
     FEATURE_SETS,
@@ -55,7 +56,6 @@ from guarduq.cli._scoring import (
 )
 from guarduq.cli.calibrate_reviews import review_progress
 from guarduq.errors import CalibrationError, InputError
-from guarduq.models import DEFAULT_MODEL
 
 DEFAULT_ALPHAS = (0.1, 0.2, 0.3)
 DEFAULT_FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}

@@ -154,3 +154,25 @@ def test_a_calibrator_names_the_model_to_load(tmp_path):
     assert model_of(None, policy=policy) == "qwen2.5-coder-1.5b-instruct"  # an alias, recorded by name
     assert model_of(None, calibrator=saved("some-gguf-stem")) == DEFAULT_MODEL  # neither: the default
     assert model_of(None) == DEFAULT_MODEL
+
+
+def test_the_command_table_names_the_module_that_registers_each_command():
+    import importlib
+
+    from guarduq.cli import COMMANDS
+
+    registered = {}
+    for module in dict.fromkeys(COMMANDS.values()):
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        registered.update(dict.fromkeys(sub.choices, module))
+    assert registered == COMMANDS
+
+
+def test_the_review_command_starts_without_torch_or_sklearn():
+    code = ("import sys\nfrom guarduq.cli import main\n"
+            "try:\n    main(['review', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'sklearn', 'transformers', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "--store URL" in out.stdout

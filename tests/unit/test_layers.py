@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "guarduq"
 # Each top-level part of the package on its floor; a module imports only its own floor or lower ones.
 FLOORS: dict[str, int] = {
     **dict.fromkeys(["<root>", "errors", "_logging", "_version", "_lazy", "_storage", "_http", "answers", "sampling"], 0),
-    **dict.fromkeys(["models", "model_parts", "layout", "batching", "streaming", "scoring", "sve", "calibration"], 1),
+    **dict.fromkeys(["models", "aliases", "model_parts", "layout", "batching", "streaming", "scoring", "sve", "calibration"], 1),
     **dict.fromkeys(["policy", "store"], 2),  # the decisions, side by side
     **dict.fromkeys(["decider", "traffic", "response", "guard", "distributed"], 3),  # what orchestrates
     **dict.fromkeys(["cli", "integrations", "serve", "review", "__main__"], 4),  # what faces users
