@@ -16,6 +16,11 @@ cached frozen-block states (``_ensemble_methods``). Per cell, in order (each sta
    entropy and mutual information, OOD AUROC, parameters, time, peak memory; 95% bootstrap
    intervals; reliability diagrams and the accuracy / ECE / parameters chart.
 
+Every fit records each member's own loss per step; the page shows each member's first and last
+training loss (a baseline whose loss does not fall has not been tuned). ``--sve-parametrisation
+relative`` trains SVE scale-free (Σ ⊙ exp(δ), biases b₀ + s·β; ``guarduq.sve.SVELinear``); the
+default stays raw, the parametrisation of the results on the page and of the Makefile's rates.
+
     .venv/bin/python benchmarks/ensembles.py                       # every cell (hours)
     .venv/bin/python benchmarks/ensembles.py --cells smollm2:arc   # one cell
     .venv/bin/python benchmarks/ensembles.py --quick --out /tmp/q  # tiny random model, seconds
