@@ -109,7 +109,7 @@ calibrator: $(STAMP)
 # at the default of the time (now 3e-2); the costly features and cascade pages were measured on them.
 SVE_LIMIT ?= 500
 SVE_OUT ?= policies/sve/smollm2-135m-instruct.safetensors
-SVE_ARGS ?= --members 8 --last-n-blocks 2 --steps 300 --batch-size 4 --seed 0 --lr 1e-2
+SVE_ARGS ?= --members 8 --last-n-blocks 2 --steps 300 --batch-size 4 --seed 0 --lr 1e-2 --parametrisation raw --bias raw
 sve: $(STAMP)
 	@mkdir -p runs/sve $(dir $(SVE_OUT))
 	@$(VENV)/bin/guarduq sve train --model smollm2-135m-instruct \

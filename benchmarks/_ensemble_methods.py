@@ -342,7 +342,8 @@ class Fit:
 
     seconds: float
     peak_rss_mb: float | None
-    history: list[float]
+    history: list[float]  # the members' mean loss at each step
+    member_history: list[list[float]] = field(default_factory=list)  # [step][member]: each one's own loss
 
 
 def reset_peak_rss() -> bool:
@@ -409,7 +410,7 @@ class Method:
         reset_peak_rss()
         start = time.perf_counter()
         optim = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        history = []
+        history, member_history = [], []
         labels = torch.as_tensor(enc.labels)
         for step in tqdm(range(steps), desc=f"fit {self.name}", unit="step", disable=not progress, leave=False):
             rows = [member_batch(len(enc), m, step, batch, self.seed) for m in range(self.members)]
@@ -421,7 +422,8 @@ class Method:
             self.clip(max_grad_norm)
             optim.step()
             history.append(float(loss.detach()) / self.members)
-        return Fit(time.perf_counter() - start, peak_rss_mb(), history)
+            member_history.append([float(m.detach()) for m in losses])
+        return Fit(time.perf_counter() - start, peak_rss_mb(), history, member_history)
 
     def predict(self, top: Top, enc: Encoded, *, batch: int = 32) -> np.ndarray:
         """[M, n, C] member log-probabilities over each item's options."""
@@ -434,21 +436,25 @@ class Method:
 
 
 class SVEMethod(Method):
-    """Frozen U, V of each targeted projection; members own Σᵐ = Σ ⊙ (1 + εᵐ) and a bias."""
+    """Frozen U, V of each targeted projection; members own their spectrum and bias, raw
+    (Σᵐ = Σ ⊙ (1 + εᵐ), b in absolute units: the harness's default, what docs/ensembles ran) or
+    scale-free (Σᵐ = Σ ⊙ exp(δᵐ), b = b₀ + s·βᵐ; ``guarduq.sve.SVELinear``)."""
 
     family = "SVE"
 
     def __init__(self, members: int, lr: float, *, sigma_init: float = 0.05, targets: Sequence[str] = LLAMA_TARGETS,
-                 seed: int = 0, weight_decay: float = 0.0) -> None:
+                 seed: int = 0, weight_decay: float = 0.0, parametrisation: str = "raw", bias: str = "raw") -> None:
         super().__init__(members, lr, seed=seed, weight_decay=weight_decay)
         self.sigma_init, self.targets = sigma_init, tuple(targets)
+        self.parametrisation, self.bias = parametrisation, bias
 
     @property
     def name(self) -> str:
         return "fine-tuned (SVE M=1)" if self.members == 1 else f"SVE M={self.members}"
 
     def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "sigma_init": self.sigma_init, "targets": list(self.targets)}
+        return {**super().settings(), "sigma_init": self.sigma_init, "targets": list(self.targets),
+                "parametrisation": self.parametrisation, "bias": self.bias}
 
     def build(self, top: Top) -> None:
         self.blocks = nn.ModuleList(copy.deepcopy(top.frozen_blocks()))
@@ -459,13 +465,14 @@ class SVEMethod(Method):
             if name.rpartition(".")[2] in self.targets and isinstance(module, nn.Linear):
                 u, s, vh = torch.linalg.svd(module.weight.detach().double(), full_matrices=False)
                 layer = SVELinear(u.to(module.weight.dtype), s.to(module.weight.dtype), vh.T.to(module.weight.dtype),
-                                  module.bias, members=self.members, sigma_init=self.sigma_init, generator=gen)
+                                  module.bias, members=self.members, sigma_init=self.sigma_init, generator=gen,
+                                  parametrisation=self.parametrisation, bias_mode=self.bias)
                 parent, _, child = name.rpartition(".")
                 setattr(self.blocks.get_submodule(parent), child, layer)
                 self.layers.append(layer)
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers for p in (layer.sigma, layer.bias)]
+        return [p for layer in self.layers for p in layer.trainable()]
 
     def clip(self, max_norm: float) -> None:
         clip_per_member(self.parameters(), max_norm)

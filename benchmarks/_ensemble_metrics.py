@@ -157,6 +157,33 @@ def diversity(member_logp: np.ndarray) -> dict[str, float]:
 # --------------------------------------------------------------------------- plots
 
 
+def loss_ends(fit: dict[str, Any], members: int | None = None) -> dict[str, Any] | None:
+    """Each member's training loss at the start and the end: the mean of its first and of its last
+    w steps (w = a tenth of the steps, 1 to 20; one step's batch is noisy). A member whose loss
+    does not fall has not been tuned. ``members``: only the first so many (SVE M=4 of 16).
+    A fit saved before per-member losses were kept has only the members' mean (``mean_only``)."""
+    rows, mean_only = fit.get("member_history"), False
+    if not rows:
+        if not fit.get("history"):
+            return None
+        rows, mean_only = [[h] for h in fit["history"]], True
+    steps = np.asarray(rows, dtype=float)[:, :members]  # [steps, M]
+    w = max(1, min(20, len(steps) // 10))
+    return {"window": w, "first": steps[:w].mean(0).tolist(), "last": steps[-w:].mean(0).tolist(),
+            "mean_only": mean_only}
+
+
+def loss_cell(ends: dict[str, Any] | None) -> str:
+    """'first → last' of each member, for the page; '–' when not recorded."""
+    if ends is None:
+        return "–"
+    pairs = [f"{a:.3f}→{b:.3f}" for a, b in zip(ends["first"], ends["last"], strict=True)]
+    if ends.get("mean_only"):
+        return f"{pairs[0]} (mean over all the run's members: this run kept no per-member losses)"
+    falls = sum(b < a for a, b in zip(ends["first"], ends["last"], strict=True))
+    return f"{', '.join(pairs)} ({falls}/{len(pairs)} fall)"
+
+
 def plot_reliability(rows: list[tuple[str, list[dict[str, float]], float]], path: Path, title: str) -> None:
     """One reliability diagram per method (name, ``reliability_bins``, ECE): accuracy per bin."""
     import matplotlib

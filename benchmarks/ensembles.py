@@ -16,6 +16,11 @@ cached frozen-block states (``_ensemble_methods``). Per cell, in order (each sta
    entropy and mutual information, OOD AUROC, parameters, time, peak memory; 95% bootstrap
    intervals; reliability diagrams and the accuracy / ECE / parameters chart.
 
+Every fit records each member's own loss per step; the page shows each member's first and last
+training loss (a baseline whose loss does not fall has not been tuned). ``--sve-parametrisation
+relative`` trains SVE scale-free (Σ ⊙ exp(δ), biases b₀ + s·β; ``guarduq.sve.SVELinear``); the
+default stays raw, the parametrisation of the results on the page and of the Makefile's rates.
+
     .venv/bin/python benchmarks/ensembles.py                       # every cell (hours)
     .venv/bin/python benchmarks/ensembles.py --cells smollm2:arc   # one cell
     .venv/bin/python benchmarks/ensembles.py --quick --out /tmp/q  # tiny random model, seconds
@@ -58,11 +63,14 @@ from _ensemble_metrics import (  # noqa: E402
     diversity,
     evaluate,
     fit_temperature,
+    loss_cell,
+    loss_ends,
     mutual_information,
     paired_diff,
     plot_reliability,
     plot_tradeoff,
 )
+from _ensemble_page import fmt, goals  # noqa: E402
 from _pages import write_page  # noqa: E402
 
 from guarduq.calibration import reliability_bins  # noqa: E402
@@ -88,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-lora", default="1e-4,3e-4,1e-3,3e-3")
     p.add_argument("--lr-deep", default="1e-5,3e-5,1e-4")
     p.add_argument("--sigma-grid", default="0.02,0.05,0.1")
+    p.add_argument("--sve-parametrisation", choices=("raw", "relative"), default="raw",
+                   help="raw: Σ trained in its own units (what docs/ensembles ran; the Makefile's rates are raw); "
+                        "relative: Σ ⊙ exp(δ), a rate relative to each singular value")
+    p.add_argument("--sve-bias", choices=("raw", "scaled", "none"), default=None,
+                   help="SVE's biases: raw (absolute units), scaled (b₀ + s·β, s the layer's output RMS) or none "
+                        "(default: raw with --sve-parametrisation raw, scaled with relative)")
     p.add_argument("--sve-lr-also", default="",
                    help="more SVE learning rates to fit and report beside the chosen one (sensitivity rows)")
     p.add_argument("--sve-lr-also-members", type=int, default=None,
@@ -111,6 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def sve_options(args: argparse.Namespace) -> tuple[dict[str, str], str]:
+    """SVEMethod's parametrisation keywords, and the tag its stage keys carry (none for raw/raw,
+    so the stages saved before the option existed are still found)."""
+    bias = args.sve_bias or ("raw" if args.sve_parametrisation == "raw" else "scaled")
+    kind = {"parametrisation": args.sve_parametrisation, "bias": bias}
+    return kind, "" if (args.sve_parametrisation, bias) == ("raw", "raw") else f"-{args.sve_parametrisation}-{bias}"
 
 
 # --------------------------------------------------------------------------- cells
@@ -240,9 +262,11 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     width = max(ex.n_options for examples in task.splits.values() for ex in examples)
     enc: dict[str, Encoded] = {}
     for split, examples in task.splits.items():
+        if args.select_only and split not in ("train", "dev"):  # a rate check reads dev only
+            continue
         cache = work / "states" / f"{split}-{cache_key(fp, k, width, examples)}.safetensors"
         enc[split] = encode_split(top, examples, width, cache=cache, desc=f"{cell} {split}")
-    if args.test_n is not None and args.test_n < len(enc["test"]):
+    if "test" in enc and args.test_n is not None and args.test_n < len(enc["test"]):
         # sampled after encoding, so a smaller test set reuses the whole split's cached states
         enc["test"] = enc["test"].subset(sorted(random.Random(0).sample(range(len(enc["test"])), args.test_n)))
     eval_splits = ("dev", "test", "ood") if "ood" in enc else ("dev", "test")
@@ -250,6 +274,11 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
 
     # ---- selection on dev: each family's learning rate (one member), then SVE's sigma_init
     grids = {"sve": floats(args.lr_sve), "lora": floats(args.lr_lora), "deep": floats(args.lr_deep)}
+    sve_kind, tag = sve_options(args)
+
+    def sve(members: int, lr: float, sigma: float) -> SVEMethod:
+        return SVEMethod(members, lr, sigma_init=sigma, **sve_kind)
+
     chosen: dict[str, float] = {}
     selection: list[dict[str, Any]] = []
     singles: dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
@@ -260,13 +289,13 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
             continue
         best, trained = None, {}
         for lr in grid:  # dev predictions only: test and OOD for the chosen rate alone
-            kwargs = {"sigma_init": 0.0} if family == "sve" else {}
-            method = trained[lr] = FAMILIES[family](1, lr, **kwargs)
-            arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}",
+            method = trained[lr] = sve(1, lr, 0.0) if family == "sve" else FAMILIES[family](1, lr)
+            arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}{tag if family == 'sve' else ''}",
                                       lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
             dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
             dev_acc = float((arrays["dev"][0].argmax(1) == labels["dev"]).mean())
-            selection.append({"family": family, "lr": lr, "dev_nll": dev_nll, "dev_accuracy": dev_acc})
+            selection.append({"family": family + (tag if family == "sve" else ""), "lr": lr, "dev_nll": dev_nll, "dev_accuracy": dev_acc,
+                              "train_loss": loss_ends(info.get("fit", {}))})
             if best is None or dev_nll < best[0]:
                 best = (dev_nll, lr)
         if args.select_only:
@@ -274,7 +303,7 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
         chosen[family] = lr = best[1]
         method = trained[lr]  # trained above, or (a resumed run) trained again: seeded, the same model
         singles[family] = stages.run(
-            f"{settings_key}-{family}-m1-lr{lr:g}",
+            f"{settings_key}-{family}-m1-lr{lr:g}{tag if family == 'sve' else ''}",
             lambda m=method: predict_only(m, top, enc, eval_splits, args.bf16) if m.fitted_ is not None
             else train_and_predict(m, top, enc, args, eval_splits))
     if args.select_only:
@@ -282,8 +311,8 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     sigma_nll: dict[float, float] = {}
     sigmas = floats(args.sigma_grid)
     for sigma in sigmas if len(sigmas) > 1 else ():  # one value: nothing to select, no M=4 fit
-        method = SVEMethod(4, chosen["sve"], sigma_init=sigma)
-        arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}",
+        method = sve(4, chosen["sve"], sigma)
+        arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}{tag}",
                                   lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
         probs = np.exp(arrays["dev"]).mean(0)
         sigma_nll[sigma] = float(-np.log(np.clip(probs[np.arange(len(labels["dev"])), labels["dev"]],
@@ -293,8 +322,8 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
 
     # ---- final ensembles
     finals = {
-        "sve": stages.run(f"{settings_key}-sve-m{args.sve_members}-lr{chosen['sve']:g}-s{sigma:g}",
-                          lambda: train_and_predict(SVEMethod(args.sve_members, chosen["sve"], sigma_init=sigma),
+        "sve": stages.run(f"{settings_key}-sve-m{args.sve_members}-lr{chosen['sve']:g}-s{sigma:g}{tag}",
+                          lambda: train_and_predict(sve(args.sve_members, chosen["sve"], sigma),
                                                     top, enc, args, eval_splits)),
         "lora": stages.run(f"{settings_key}-lora-m{args.members}-lr{chosen['lora']:g}",
                            lambda: train_and_predict(FAMILIES["lora"](args.members, chosen["lora"]),
@@ -307,14 +336,14 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     for lr in floats(args.sve_lr_also):  # sensitivity: the final SVE at another rate, reported beside it
         if lr != chosen["sve"] or also != args.sve_members:
             finals[f"sve-lr{lr:g}"] = stages.run(
-                f"{settings_key}-sve-m{also}-lr{lr:g}-s{sigma:g}",
-                lambda lr=lr: train_and_predict(SVEMethod(also, lr, sigma_init=sigma),
-                                                top, enc, args, eval_splits))
+                f"{settings_key}-sve-m{also}-lr{lr:g}-s{sigma:g}{tag}",
+                lambda lr=lr: train_and_predict(sve(also, lr, sigma), top, enc, args, eval_splits))
     for family in ("lora", "deep"):
         singles.setdefault(family, first_member(*finals[family]))
     base_params = sum(p.numel() for p in model.parameters())
     return report_cell(cell, task, enc, labels, singles, finals, args, {
         "k": k, "blocks": n_blocks, "base_params": base_params, "chosen_lr": chosen, "sigma_init": sigma,
+        "sve_parametrisation": sve_kind,
         "median_singular_value": median_singular_value(top),
         "selection": selection, "encode_seconds_per_item": {s: e.seconds / max(len(e), 1) for s, e in enc.items()},
         "sizes": {s: len(e) for s, e in enc.items()},
@@ -401,7 +430,7 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
                 "seconds_per_item": info.get("seconds_per_item", {}).get("test"),
                 "diversity": diversity(arrays["test"]), "settings": info.get("settings"),
                 "reliability": reliability_bins(conf, correct),
-                "history": fit.get("history"),
+                "history": fit.get("history"), "train_loss": loss_ends(fit, members),
             })
     # SVE diagnostics: averaging the members in log space instead of probability space
     logit_mean = np.exp(sve_arrays["test"].mean(0))
@@ -426,52 +455,6 @@ def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str
 # --------------------------------------------------------------------------- page
 
 
-def fmt(v: list[float] | None, digits: int = 3) -> str:
-    if v is None:
-        return "–"
-    return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}, {v[2]:.{digits}f}]"
-
-
-def goals(res: dict[str, Any]) -> list[str]:
-    """The issue's goals for one cell, each with the measured figures (largest SVE ensemble)."""
-    rows = {r["name"]: r for r in res["methods"]}
-    sve = rows[f"SVE M={res['args'].get('sve_members', '16')}"]
-    lora = next(r for r in res["methods"] if r["name"].startswith("LoRA-Ensemble") and "+" not in r["name"])
-    deep = next(r for r in res["methods"] if r["name"].startswith("deep ensemble") and "+" not in r["name"])
-    base, f = rows["base"], res["facts"]
-    best_base = min((lora, deep), key=lambda r: r["ece"][0])
-    best_acc = max(lora["accuracy"][0], deep["accuracy"][0])
-    paired = res["paired"]
-
-    def mark(ok: bool) -> str:
-        return "met" if ok else "**not met**"
-
-    out = ["| goal | measured | |", "|---|---|---|"]
-    ece_diff = paired[f"{sve['name']} - {best_base['name']}: ece"]
-    out.append(f"| ECE ≤ the lower of LoRA-Ensemble's and the deep ensemble's | {sve['name']} {fmt(sve['ece'])} vs "
-               f"{best_base['name']} {fmt(best_base['ece'])}; paired difference {fmt(ece_diff)} | "
-               f"{mark(sve['ece'][0] <= best_base['ece'][0])} |")
-    out.append(f"| accuracy within 1 point of the better baseline | {sve['accuracy'][0]:.3f} vs {best_acc:.3f} "
-               f"({100 * (sve['accuracy'][0] - best_acc):+.1f} points) | {mark(sve['accuracy'][0] >= best_acc - 0.01)} |")
-    for key, label in (("auroc_entropy", "misclassification AUROC (entropy)"), ("auroc_mi", "misclassification AUROC (MI)"),
-                       ("ood_auroc_entropy", "OOD AUROC (entropy)"), ("ood_auroc_mi", "OOD AUROC (MI)")):
-        if sve.get(key) is None or lora.get(key) is None or deep.get(key) is None:
-            continue
-        best = max(lora[key][0], deep[key][0])
-        out.append(f"| {label} ≥ the better baseline's − 0.01 | {sve[key][0]:.3f} vs {best:.3f} | "
-                   f"{mark(sve[key][0] >= best - 0.01)} |")
-    extra = sve["stored"] - sve["trainable_per_member"]  # beyond one fine-tuned member
-    out.append(f"| ≤ 1% extra parameters | (M−1) × {sve['trainable_per_member']:,} = {extra:,} = "
-               f"{100 * extra / f['base_params']:.3f}% of {f['base_params']:,} | {mark(extra <= 0.01 * f['base_params'])} |")
-    out.append(f"| ≤ 1/10 of LoRA-Ensemble's stored parameters | {sve['stored']:,} vs {lora['stored']:,} "
-               f"({sve['stored'] / lora['stored']:.3f}) | {mark(sve['stored'] <= lora['stored'] / 10)} |")
-    for metric in ("ece", "nll"):
-        d = paired[f"{sve['name']} - base: {metric}"]
-        out.append(f"| {metric.upper()} not worse than the base model's | {sve[metric][0]:.3f} vs "
-                   f"{base[metric][0]:.3f}; paired difference {fmt(d)} | {mark(sve[metric][0] <= base[metric][0])} |")
-    return out
-
-
 def render(results: dict[str, Any], out: Path) -> None:
     parts = []
     for cell, res in results.items():
@@ -484,7 +467,9 @@ def render(results: dict[str, Any], out: Path) -> None:
         parts.append("")
         parts.append(
             f"- n: {f['sizes']}; blocks trained: the last {f['blocks'] - f['k']} of {f['blocks']} (every method); "
-            f"chosen learning rates {f['chosen_lr']}, SVE σ_init {f['sigma_init']}."
+            f"chosen learning rates {f['chosen_lr']}, SVE σ_init {f['sigma_init']}; SVE parametrisation "
+            f"{'/'.join(f.get('sve_parametrisation', {'parametrisation': 'raw', 'bias': 'raw'}).values())} "
+            "(Σ/bias: raw = in their own units; relative = Σ ⊙ exp(δ); scaled = b₀ + s·β)."
         )
         if f.get("median_singular_value") is not None:
             parts.append(f"- Median singular value of the trained blocks' targeted matrices: "
@@ -521,6 +506,13 @@ def render(results: dict[str, Any], out: Path) -> None:
                 d = r["diversity"]
                 parts.append(f"| {r['name']} | {d['pairwise_disagreement']:.3f} | {d['mean_mi']:.4f} "
                              f"| {ts.get(r['name'], float('nan')):.2f} |")
+        parts.append("\nTraining loss of each member, first → last (each the mean of w steps; a member whose loss "
+                     "does not fall has not been tuned):\n")
+        parts.append("| method | w | per member |\n|---|---:|---|")
+        for r in res["methods"]:
+            if not r["name"].endswith("+ TS") and r["name"] != "base":
+                ends = r.get("train_loss") or loss_ends({"history": r.get("history")})  # older results: mean
+                parts.append(f"| {r['name']} | {ends['window'] if ends else '–'} | {loss_cell(ends)} |")
         logit = res["sve_diagnostics"]["logit_space_mean"]
         sve_row = next(r for r in res["methods"] if r["name"] == f"SVE M={res['args'].get('sve_members', '16')}")
         parts.append(f"\nAveraging SVE's members in log space instead (renormalised geometric mean): "
@@ -530,16 +522,17 @@ def render(results: dict[str, Any], out: Path) -> None:
         if len(families) == len(set(families)):  # grids of one value each: nothing was chosen here
             parts.append("\nNo selection on this cell: every grid held one value (dev NLL shown).")
         parts.append("\nSelection on dev (NLL):\n")
-        parts.append("| family | setting | dev NLL |\n|---|---|---:|")
+        parts.append("| family | setting | dev NLL | train loss first → last |\n|---|---|---:|---|")
         for s in f["selection"]:
             setting = f"lr {s['lr']:g}" if "lr" in s else f"σ_init {s['sigma_init']:g} (M=4)"
-            parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} |")
+            parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} | {loss_cell(s.get('train_loss'))} |")
         if res.get("selection_only"):
             parts.append("\nOne member at more rates (`--select-only`: dev fits only, no ensemble):\n")
-            parts.append("| family | lr | dev NLL | dev accuracy |\n|---|---|---:|---:|")
+            parts.append("| family | lr | dev NLL | dev accuracy | train loss first → last |\n|---|---|---:|---:|---|")
             for s in sorted(res["selection_only"], key=lambda s: (s["family"], s["lr"])):
                 acc = f"{s['dev_accuracy']:.3f}" if "dev_accuracy" in s else "–"
-                parts.append(f"| {s['family']} | {s['lr']:g} | {s['dev_nll']:.4f} | {acc} |")
+                parts.append(f"| {s['family']} | {s['lr']:g} | {s['dev_nll']:.4f} | {acc} "
+                             f"| {loss_cell(s.get('train_loss'))} |")
         slug = cell.replace(":", "-")
         parts.append(f"\n![reliability]({slug}-reliability.png)\n\n![tradeoff]({slug}-tradeoff.png)\n")
         shown = [r for r in res["methods"] if not r["name"].endswith("+ TS") or r["name"] == "base + TS"]

@@ -28,7 +28,7 @@ from guarduq.cli._help import with_example
 from guarduq.cli._run import dataset_limits, threads_arg
 from guarduq.errors import DatasetError, InputError
 from guarduq.layout import PromptLike, has_chat_template
-from guarduq.sve import KNOWN_TARGETS, SVEnsemble, validate_settings
+from guarduq.sve import BIAS_MODES, KNOWN_TARGETS, PARAMETRISATIONS, SVEnsemble, validate_settings
 
 log = get_logger("cli.sve")
 
@@ -109,8 +109,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--members", type=int, default=4)
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch-size", type=int, default=4, help="items per member per step")
-    t.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate, in the singular values' units (3e-2 chosen for SmolLM2 on ARC-Easy dev; 1e-3 for Gemma-3-270m: docs/ensembles)")
-    t.add_argument("--sigma-init", type=float, default=0.05)
+    t.add_argument("--lr", type=float,
+                   help="AdamW learning rate (default: relative 5e-3, raw 3e-2). Relative: a step of about lr of each "
+                   "singular value, the same on any model; raw: in the singular values' units (3e-2 for SmolLM2, "
+                   "1e-3 for Gemma-3-270m on ARC-Easy dev: docs/ensembles)")
+    t.add_argument("--sigma-init", type=float, default=0.05, help="relative spread of the members' initial spectra")
+    t.add_argument("--parametrisation", choices=PARAMETRISATIONS, default="relative",
+                   help="relative: Σ ⊙ exp(δ), scale-free (default); raw: Σ trained in its own units (the first SVE)")
+    t.add_argument("--bias", choices=BIAS_MODES, default="scaled",
+                   help="scaled: b₀ + s·β with s the layer's output RMS (default); none: no trained bias "
+                   "(ablation); raw: the bias in absolute units (the first SVE)")
     t.add_argument("--targets", help=f"comma-separated layer names (default all of: {', '.join(KNOWN_TARGETS)})")
     t.add_argument("--last-n-blocks", type=int, help="only target the last N transformer blocks")
     t.add_argument("--seed", type=int, default=0)
@@ -121,7 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    validate_settings(args.members, args.targets, args.sigma_init)  # fail before loading anything
+    validate_settings(args.members, args.targets, args.sigma_init, args.parametrisation, args.bias)  # fail before loading anything
     check_writable(args.out, "SVE output")  # a folder or read-only path fails now, not after training
     if args.checkpoint is not None:
         check_writable(args.checkpoint, "checkpoint")
@@ -150,6 +158,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         members=args.members,
         targets=args.targets,
         sigma_init=args.sigma_init,
+        parametrisation=args.parametrisation,
+        bias=args.bias,
         last_n_blocks=args.last_n_blocks,
         seed=args.seed,
     )
@@ -171,6 +181,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "items": len(data),
         "datasets": sorted(set(args.dataset)),
         "steps": ens.steps_done_,
+        "parametrisation": ens.parametrisation,
+        "bias": ens.bias_mode,
+        "first_loss": ens.history_[0] if ens.history_ else None,
         "final_loss_mean10": sum(tail) / len(tail) if tail else None,
         "overhead": ens.overhead().to_dict(),
     }

@@ -5,24 +5,29 @@ objectives and batch orders, ``io`` the SVD cache and artifact files, ``results`
 ensemble reports, ``ensemble`` the :class:`SVEnsemble` itself.
 """
 
-from guarduq.sve.ensemble import SVEnsemble
+from guarduq.sve.ensemble import DEFAULT_LR, SVEnsemble
 from guarduq.sve.io import FORMAT, FORMAT_VERSION
 from guarduq.sve.layers import (
+    BIAS_MODES,
     GPT2_TARGETS,
     KNOWN_TARGETS,
     LLAMA_TARGETS,
+    PARAMETRISATIONS,
     SVELinear,
     validate_settings,
 )
 from guarduq.sve.results import Overhead, SVEOpinion
 
 __all__ = [
+    "BIAS_MODES",
+    "DEFAULT_LR",
     "FORMAT",
     "FORMAT_VERSION",
     "GPT2_TARGETS",
     "KNOWN_TARGETS",
     "LLAMA_TARGETS",
     "Overhead",
+    "PARAMETRISATIONS",
     "SVELinear",
     "SVEOpinion",
     "SVEnsemble",

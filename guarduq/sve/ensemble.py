@@ -1,8 +1,9 @@
 """Singular Value Ensemble (SVE): M members that differ only in singular values and biases.
 
 Each targeted weight ``W = U Σ Vᵀ`` of a frozen pretrained model keeps its ``U`` and ``V`` (buffers)
-and gets, per member m, its own singular values ``Σᵐ = Σ ⊙ (1 + εᵐ)``, ``εᵐ ~ N(0, σ_init²)``,
-and bias ``bᵐ`` (trainable). Member m's layer is ``y = ((x V) ⊙ Σᵐ) Uᵀ + bᵐ``: no member ever
+and gets, per member m, its own singular values ``Σᵐ = Σ ⊙ exp(δᵐ)``, ``δᵐ ~ N(0, σ_init²)``, and
+bias ``bᵐ = b₀ + s·βᵐ`` (s: the layer's output scale), δ and β trained: every step is relative
+to the layer's own scale (``SVELinear``; the first, raw parametrisation stays loadable). Member m's layer is ``y = ((x V) ⊙ Σᵐ) Uᵀ + bᵐ``: no member ever
 materialises its own d×d matrix, so the extra parameters are ≈ 5(M−1)/(4d) of the model.
 
 All members run in ONE forward: the batch is folded to ``[M·B, ...]`` (member-major, rows
@@ -37,7 +38,17 @@ from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
 from guarduq.sve.frozen import FrozenStates
-from guarduq.sve.io import FORMAT, FORMAT_VERSION, _atomic_save, _read_artifact, _svds
+from guarduq.sve.io import (
+    FORMAT,
+    FORMAT_VERSION,
+    _atomic_save,
+    _read_artifact,
+    _svds,
+    check_compatible,
+    load_member_tensors,
+    member_tensors,
+    parametrisation_of,
+)
 from guarduq.sve.layers import (
     SVELinear,
     _block_indices,
@@ -61,6 +72,10 @@ from guarduq.sve.training import (
 
 log = get_logger("sve")
 
+# Raw: chosen on SmolLM2 ARC-Easy dev. Relative: that rate over SmolLM2's median singular value
+# (3e-2 / 5.04 ≈ 6e-3, rounded down), a transfer into relative units, not yet a dev choice.
+DEFAULT_LR = {"raw": 3e-2, "relative": 5e-3}
+
 # --------------------------------------------------------------------------- the ensemble
 
 
@@ -70,7 +85,8 @@ class SVEnsemble:
     Parameters (set in ``__init__``, never changed by ``fit``): ``members`` (M ≥ 2), ``targets``
     (short module names, default every known one present), ``sigma_init`` (relative noise on the
     initial singular values), ``last_n_blocks`` (target only the last N transformer blocks),
-    ``seed``, ``share_prefix`` (run the blocks before the first SVE block once per input when all
+    ``parametrisation`` ("relative": Σ ⊙ exp(δ), or "raw": Σ trained as is), ``bias`` ("scaled",
+    "none" or "raw"; see ``SVELinear``), ``seed``, ``share_prefix`` (run the blocks before the first SVE block once per input when all
     members see the same input; verified against plain folding at build time). Fitted state ends
     with ``_``: ``steps_done_``, ``history_``. Calls are serialised by an internal lock.
     """
@@ -83,6 +99,8 @@ class SVEnsemble:
         members: int = 4,
         targets: str | Sequence[str] | None = None,
         sigma_init: float = 0.05,
+        parametrisation: str = "relative",
+        bias: str = "scaled",
         last_n_blocks: int | None = None,
         seed: int = 0,
         share_prefix: bool = True,
@@ -95,8 +113,9 @@ class SVEnsemble:
             base_fp = fingerprint(model)
         else:
             raise SVEError(f"SVEnsemble needs a torch model or a LoadedModel, got {type(model).__name__}")
-        self.targets = validate_settings(members, targets, sigma_init)
+        self.targets = validate_settings(members, targets, sigma_init, parametrisation, bias)
         self.members = members
+        self.parametrisation, self.bias_mode = parametrisation, bias
         self.sigma_init = float(sigma_init)
         self.last_n_blocks = last_n_blocks
         self.seed = int(seed)
@@ -119,7 +138,8 @@ class SVEnsemble:
             old = copies[name]
             u, s, v = svd[name]
             layer = SVELinear(
-                u, s, v, getattr(old, "bias", None), members=members, sigma_init=self.sigma_init, generator=gen
+                u, s, v, getattr(old, "bias", None), members=members, sigma_init=self.sigma_init, generator=gen,
+                parametrisation=parametrisation, bias_mode=bias,
             )
             parent_name, _, child = name.rpartition(".")
             setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, layer)
@@ -173,11 +193,11 @@ class SVEnsemble:
     # ------------------------------------------------------------------ parameters
 
     def parameters(self) -> list[nn.Parameter]:
-        """The trainable parameters: every layer's ``sigma`` then ``bias`` (sorted by layer name)."""
-        return [p for layer in self.layers.values() for p in (layer.sigma, layer.bias)]
+        """The trainable parameters: every layer's Σ tensor then its bias tensor (sorted by layer name)."""
+        return [p for layer in self.layers.values() for p in layer.trainable()]
 
     def overhead(self) -> Overhead:
-        per_member = sum(layer.sigma.shape[1] + layer.bias.shape[1] for layer in self.layers.values())
+        per_member = sum(p.shape[1] for p in self.parameters())
         d = _hidden_size(self.model)
         extra = (self.members - 1) * per_member
         return Overhead(
@@ -353,7 +373,7 @@ class SVEnsemble:
         label_words: Sequence[str] | None = None,
         steps: int = 200,
         batch_size: int = 4,
-        lr: float = 3e-2,
+        lr: float | None = None,
         weight_decay: float = 0.0,
         max_grad_norm: float = 1.0,
         checkpoint: str | os.PathLike[str] | None = None,
@@ -368,14 +388,13 @@ class SVEnsemble:
 
         ``data``: (prompt, answer str) pairs -> LM loss on the answer tokens; with ``label_words``,
         (prompt, class index) pairs -> cross-entropy over the label words' next-token logits.
-        AdamW touches singular values and biases only; ``weight_decay`` defaults to 0 because
-        decay would pull the pretrained spectrum towards zero. ``lr`` defaults to 3e-2: on
-        ARC-Easy dev (SmolLM2, last 2 blocks, 200 steps of 8) it beat 1e-3, 3e-3, 1e-2 and 1e-1
-        on NLL, and at M = 16 on dev ECE too (docs/ensembles/README.md). The rate is in the
-        singular values' own units (a step moves Σ by about ``lr``, so by ``lr / Σ`` relatively):
-        it does not carry over to a model with another spectrum. On Gemma-3-270m, whose median
-        singular value is 0.93 against SmolLM2's 5.04, 1e-3 was best on dev and 3e-2 worse than
-        the untrained model; choose it on the model's own dev data. ``steps`` counts from the start
+        AdamW touches the members' tensors only; ``weight_decay`` defaults to 0 (decay would pull
+        raw Σ towards zero). ``lr`` (default ``DEFAULT_LR`` of the parametrisation): relative, a
+        step moves each Σ by about ``lr`` of itself and each scaled bias by ``lr`` of its layer's
+        output scale, so one rate can carry across models. Raw, a step moves Σ by about ``lr`` in
+        its own units: 3e-2 won on SmolLM2 ARC-Easy dev but was worse than the untrained model on
+        Gemma-3-270m (median Σ 0.93 against 5.04), where 1e-3 won (docs/ensembles/README.md).
+        ``steps`` counts from the start
         (``steps_done_``): a second call trains on up to it. With ``checkpoint``, state is saved
         every ``checkpoint_every`` steps and a rerun with the same settings resumes from it.
         With ``reuse_states`` (and SVE in the last blocks only), the frozen blocks below run once
@@ -389,6 +408,7 @@ class SVEnsemble:
             ClassificationObjective(self, label_words) if label_words is not None else LMObjective(self)
         )
         items = [objective.encode(item) for item in data]
+        lr = DEFAULT_LR[self.parametrisation] if lr is None else lr
         optim = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
         settings = {
             "objective": objective.kind,
@@ -432,7 +452,7 @@ class SVEnsemble:
         return self
 
     def _write_checkpoint(self, path: Path, optim: torch.optim.Optimizer, settings: dict[str, Any]) -> None:
-        tensors = self._member_tensors()
+        tensors = member_tensors(self.layers)
         for i, state in optim.state_dict()["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 tensors[f"optim.{i}.{key}"] = state[key]
@@ -452,7 +472,7 @@ class SVEnsemble:
                 f"checkpoint {path} was made with other training settings or data; "
                 "delete it or pass another checkpoint path"
             )
-        self._load_member_tensors(tensors, path)
+        load_member_tensors(self.layers, tensors, path)
         self.steps_done_ = int(meta.get("steps_done", "0"))
         state = {}
         for i in range(len(self.parameters())):
@@ -473,7 +493,7 @@ class SVEnsemble:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Member parameters only (safetensors) plus metadata binding them to the base model."""
         path = Path(path)
-        _atomic_save(self._member_tensors(), path, self._metadata())
+        _atomic_save(member_tensors(self.layers), path, self._metadata())
         return path
 
     @classmethod
@@ -501,6 +521,8 @@ class SVEnsemble:
                 members=int(meta["members"]),
                 targets=json.loads(meta["targets"]),
                 sigma_init=float(meta["sigma_init"]),
+                parametrisation=parametrisation_of(meta)[0],
+                bias=parametrisation_of(meta)[1],
                 last_n_blocks=json.loads(meta["last_n_blocks"]),
                 seed=int(meta["seed"]),
                 cache_dir=cache_dir,
@@ -510,7 +532,7 @@ class SVEnsemble:
                 raise
             raise ArtifactError(f"SVE file {path} has incomplete metadata: {exc}") from exc
         ens._check_compatible(meta, path)
-        ens._load_member_tensors(tensors, path)
+        load_member_tensors(ens.layers, tensors, path)
         ens.steps_done_ = int(meta.get("steps_done", "0"))
         return ens
 
@@ -522,36 +544,17 @@ class SVEnsemble:
             "members": str(self.members),
             "targets": json.dumps(list(self.targets)),
             "sigma_init": repr(self.sigma_init),
+            "parametrisation": self.parametrisation,
+            "bias": self.bias_mode,
             "last_n_blocks": json.dumps(self.last_n_blocks),
             "seed": str(self.seed),
             "layers": json.dumps(list(self.layers)),
             "steps_done": str(self.steps_done_),
         }
 
-    def _member_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, layer in self.layers.items():
-            out[f"{name}.sigma"] = layer.sigma.detach()
-            out[f"{name}.bias"] = layer.bias.detach()
-        return out
-
     def _check_compatible(self, meta: dict[str, str], path: Path) -> None:
-        if meta.get("fingerprint") != self.base_fingerprint:
-            raise FingerprintMismatchError(
-                f"{path} belongs to model {meta.get('fingerprint')}, not {self.base_fingerprint}"
-            )
-        if json.loads(meta.get("layers", "[]")) != list(self.layers) or meta.get("members") != str(self.members):
-            raise ArtifactError(f"{path} was saved for other SVE layers or member count")
-
-    def _load_member_tensors(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
-        with torch.no_grad():
-            for name, layer in self.layers.items():
-                for attr in ("sigma", "bias"):
-                    t = tensors.get(f"{name}.{attr}")
-                    p = getattr(layer, attr)
-                    if t is None or t.shape != p.shape:
-                        raise ArtifactError(f"{path}: {name}.{attr} is missing or has the wrong shape")
-                    p.copy_(t)
+        check_compatible(meta, path, fingerprint=self.base_fingerprint, layers=list(self.layers),
+                         members=self.members, kind=(self.parametrisation, self.bias_mode))
 
     # ------------------------------------------------------------------ helpers
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -14,14 +15,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from guarduq._logging import get_logger
-from guarduq.errors import ArtifactError, CacheCorruptError
+from guarduq.errors import ArtifactError, CacheCorruptError, FingerprintMismatchError
 from guarduq.models import cache_root
-from guarduq.sve.layers import _weight_as_linear
+from guarduq.sve.layers import SVELinear, _weight_as_linear
 
 log = get_logger("sve")
 
 FORMAT = "guarduq-sve"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the parametrisation is recorded; 1 (no record) is the raw one
+READABLE_VERSIONS = ("1", "2")
 
 
 # --------------------------------------------------------------------------- SVD cache
@@ -99,10 +101,49 @@ def _read_artifact(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]
         raise ArtifactError(f"{path} is not a readable safetensors file: {exc}") from exc
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a guarduq SVE file (format {meta.get('format')!r})")
-    if meta.get("format_version") != str(FORMAT_VERSION):
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise ArtifactError(
-            f"{path} has SVE format version {meta.get('format_version')}; this guarduq reads {FORMAT_VERSION}"
+            f"{path} has SVE format version {meta.get('format_version')}; this guarduq reads "
+            f"{', '.join(READABLE_VERSIONS)}"
         )
     if "fingerprint" not in meta:
         raise ArtifactError(f"{path} has no base-model fingerprint")
     return meta, tensors
+
+
+# --------------------------------------------------------------------------- member artifact
+
+
+def parametrisation_of(meta: dict[str, str]) -> tuple[str, str]:
+    """(parametrisation, bias mode) a file was saved with; version-1 files knew only the raw ones."""
+    return meta.get("parametrisation", "raw"), meta.get("bias", "raw")
+
+
+def member_tensors(layers: dict[str, SVELinear]) -> dict[str, torch.Tensor]:
+    """``{layer}.{tensor}`` for every trained tensor (sigma/bias raw, delta/beta scale-free)."""
+    return {f"{name}.{attr}": p.detach() for name, layer in layers.items() for attr, p in layer.named_parameters()}
+
+
+def load_member_tensors(layers: dict[str, SVELinear], tensors: dict[str, torch.Tensor], path: Path) -> None:
+    with torch.no_grad():
+        for name, layer in layers.items():
+            for attr, p in layer.named_parameters():
+                t = tensors.get(f"{name}.{attr}")
+                if t is None or t.shape != p.shape:
+                    raise ArtifactError(f"{path}: {name}.{attr} is missing or has the wrong shape")
+                p.copy_(t)
+
+
+def check_compatible(
+    meta: dict[str, str], path: Path, *, fingerprint: str, layers: list[str], members: int, kind: tuple[str, str]
+) -> None:
+    """Refuse a file saved for another model, other layers or members, or another parametrisation."""
+    if meta.get("fingerprint") != fingerprint:
+        raise FingerprintMismatchError(f"{path} belongs to model {meta.get('fingerprint')}, not {fingerprint}")
+    if json.loads(meta.get("layers", "[]")) != layers or meta.get("members") != str(members):
+        raise ArtifactError(f"{path} was saved for other SVE layers or member count")
+    if parametrisation_of(meta) != kind:
+        raise ArtifactError(
+            f"{path} holds {'/'.join(parametrisation_of(meta))} members (parametrisation/bias), "
+            f"this ensemble is {'/'.join(kind)}"
+        )

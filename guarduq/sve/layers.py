@@ -23,11 +23,28 @@ KNOWN_TARGETS = LLAMA_TARGETS + GPT2_TARGETS
 # --------------------------------------------------------------------------- the layer
 
 
+PARAMETRISATIONS = ("relative", "raw")
+BIAS_MODES = ("scaled", "none", "raw")
+
+
 class SVELinear(nn.Module):
     """A linear map shared by M members through frozen ``U``, ``V``; member m owns Σᵐ and bᵐ.
 
-    ``U`` [out, r] and ``V`` [in, r] are buffers (never trained, saved with the model copy only);
-    ``sigma`` [M, r] and ``bias`` [M, out] are the only parameters.
+    ``U`` [out, r] and ``V`` [in, r] are buffers (never trained, saved with the model copy only).
+    How member m's spectrum and bias are parametrised (the trainable tensors, each [M, ...]):
+
+    * ``parametrisation="relative"`` (default): ``delta`` [M, r], Σᵐ = Σ ⊙ exp(δᵐ). Σᵐ stays
+      positive, and an optimiser step on δ is a relative step on every singular value, whatever
+      the layer's scale. Init δ ~ N(0, sigma_init²): exp(δ) has log-spread sigma_init, i.e. to
+      first order the same relative spread of the members' spectra as the raw init below.
+    * ``parametrisation="raw"`` (the first SVE, still loadable): ``sigma`` [M, r],
+      Σᵐ = Σ ⊙ (1 + εᵐ), εᵐ ~ N(0, sigma_init²), trained in the singular values' own units.
+    * ``bias_mode="scaled"`` (default): ``beta`` [M, out] from 0, bᵐ = b₀ + s·βᵐ, where b₀ is the
+      base layer's bias (0 if none) and s = ‖W‖_F/√out, the RMS of the layer's output for
+      unit-variance, uncorrelated inputs (E‖Wx‖² = ‖W‖_F² then). From the weights alone: no
+      data, the same on every load, and it scales with W, so a bias step is relative too.
+    * ``bias_mode="none"``: no trained bias (the base bias, if any, is kept): an ablation.
+    * ``bias_mode="raw"``: ``bias`` [M, out] from b₀, in absolute units (the first SVE).
     """
 
     def __init__(
@@ -40,18 +57,49 @@ class SVELinear(nn.Module):
         members: int,
         sigma_init: float,
         generator: torch.Generator,
+        parametrisation: str = "relative",
+        bias_mode: str = "scaled",
     ) -> None:
         super().__init__()
-        self.members = members
+        check_parametrisation(parametrisation, bias_mode)
+        self.members, self.parametrisation, self.bias_mode = members, parametrisation, bias_mode
         self.in_features = int(V.shape[0])
         self.out_features = int(U.shape[0])
         self.register_buffer("U", U.contiguous())
         self.register_buffer("V", V.contiguous())
-        self.register_buffer("S", S.clone(), persistent=False)  # the base spectrum, for reference
+        self.register_buffer("S", S.clone(), persistent=False)  # the base spectrum
         eps = torch.randn(members, S.numel(), generator=generator, dtype=torch.float64) * sigma_init
-        self.sigma = nn.Parameter((S.double() * (1.0 + eps)).to(S.dtype))
-        b = torch.zeros(self.out_features, dtype=U.dtype) if bias is None else bias.detach()
-        self.bias = nn.Parameter(b.to(U.dtype).expand(members, -1).clone())
+        if parametrisation == "raw":
+            self.sigma = nn.Parameter((S.double() * (1.0 + eps)).to(S.dtype))
+        else:
+            self.delta = nn.Parameter(eps.to(S.dtype))
+        b0 = None if bias is None else bias.detach().to(U.dtype).clone()
+        if bias_mode == "raw":
+            start = torch.zeros(self.out_features, dtype=U.dtype) if b0 is None else b0
+            self.bias = nn.Parameter(start.expand(members, -1).clone())
+            return
+        self.register_buffer("bias0", b0, persistent=False)
+        if bias_mode == "scaled":
+            scale = S.double().square().sum().sqrt() / math.sqrt(self.out_features)
+            self.register_buffer("bias_scale", scale.to(U.dtype), persistent=False)
+            self.beta = nn.Parameter(torch.zeros(members, self.out_features, dtype=U.dtype))
+
+    def trainable(self) -> list[nn.Parameter]:
+        """The trained tensors, in a fixed order (Σ's, then the bias's when there is one)."""
+        return list(self.parameters(recurse=False))
+
+    def spectrum(self) -> torch.Tensor:
+        """Σᵐ of every member, [M, r]."""
+        return self.sigma if self.parametrisation == "raw" else self.S * torch.exp(self.delta)
+
+    def member_bias(self) -> torch.Tensor | None:
+        """bᵐ of every member, [M, out] (or [1, out] when members share it; None: no bias)."""
+        if self.bias_mode == "raw":
+            return self.bias
+        if self.bias_mode == "scaled":
+            b = self.bias_scale * self.beta
+            return b if self.bias0 is None else self.bias0 + b
+        return None if self.bias0 is None else self.bias0.unsqueeze(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -61,12 +109,24 @@ class SVELinear(nn.Module):
                 "call the ensemble's methods, which fold the member dimension into the batch"
             )
         h = x.reshape(self.members, -1, self.in_features) @ self.V  # [M, N, r]
-        h = h * self.sigma.unsqueeze(1)
-        y = h @ self.U.T + self.bias.unsqueeze(1)  # [M, N, out]
+        h = h * self.spectrum().unsqueeze(1)
+        y = h @ self.U.T  # [M, N, out]
+        b = self.member_bias()
+        if b is not None:
+            y = y + b.unsqueeze(1)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, rank={self.V.shape[1]}, members={self.members}"
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.V.shape[1]}, members={self.members}, "
+                f"parametrisation={self.parametrisation}, bias={self.bias_mode}")
+
+
+def check_parametrisation(parametrisation: Any, bias_mode: Any) -> None:
+    """Typed errors for an unknown parametrisation or bias mode."""
+    if parametrisation not in PARAMETRISATIONS:
+        raise SVEError(f"parametrisation must be one of {', '.join(PARAMETRISATIONS)}, got {parametrisation!r}")
+    if bias_mode not in BIAS_MODES:
+        raise SVEError(f"bias must be one of {', '.join(BIAS_MODES)}, got {bias_mode!r}")
 
 
 def _weight_as_linear(module: nn.Module) -> torch.Tensor:
@@ -150,8 +210,12 @@ def _block_indices(model: nn.Module) -> set[int]:
     return {b for n, _ in model.named_modules() if (b := _block_of(n)) is not None}
 
 
-def validate_settings(members: Any, targets: str | Sequence[str] | None, sigma_init: Any) -> tuple[str, ...]:
+def validate_settings(
+    members: Any, targets: str | Sequence[str] | None, sigma_init: Any,
+    parametrisation: Any = "relative", bias: Any = "scaled",
+) -> tuple[str, ...]:
     """Check the ensemble's settings before any model work; returns the target names."""
+    check_parametrisation(parametrisation, bias)
     if isinstance(members, bool) or not isinstance(members, int) or members < 2:
         raise SVEError(f"an ensemble needs members >= 2, got {members!r}")
     if isinstance(sigma_init, bool) or not isinstance(sigma_init, int | float) or not math.isfinite(sigma_init) or sigma_init < 0:

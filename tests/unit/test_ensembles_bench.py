@@ -216,6 +216,46 @@ def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     assert "--select-only" in (tmp_path / "out" / "README.md").read_text()
 
 
+
+def test_quick_run_reports_each_members_losses_and_the_sve_parametrisation(tmp_path: Path) -> None:
+    """Every method's row carries each member's first and last training loss (from its own per-step
+    losses); --sve-parametrisation relative trains scale-free members under their own stage keys."""
+    import ensembles
+
+    args = ["--quick", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]
+    assert ensembles.main(args) == 0
+    raw = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    assert raw["facts"]["sve_parametrisation"] == {"parametrisation": "raw", "bias": "raw"}
+    saved = sorted(p.name for p in (tmp_path / "work" / "tiny-synthetic").glob("*sve*.json"))
+    assert saved and not any("relative" in n for n in saved)  # raw stages keep their old keys
+    for r in raw["methods"]:
+        if r["name"].startswith("base"):
+            continue
+        ends = r["train_loss"]
+        assert len(ends["first"]) == len(ends["last"]) == r["members"]
+        if "from" not in r["settings"]:  # a whole fit, not member 0 of one: its mean loss is its members'
+            first_step = np.asarray(r["history"][: ends["window"]]).mean()
+            assert np.mean(ends["first"]) == pytest.approx(first_step, rel=1e-6)
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "Training loss of each member" in page and "fall)" in page
+
+    assert ensembles.main([*args, "--sve-parametrisation", "relative"]) == 0
+    rel = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    assert rel["facts"]["sve_parametrisation"] == {"parametrisation": "relative", "bias": "scaled"}
+    sve_rows = [r for r in rel["methods"] if r["name"].startswith(("SVE", "fine-tuned (SVE"))]
+    assert sve_rows and all(r["settings"]["parametrisation"] == "relative" for r in sve_rows)
+    assert any("relative-scaled" in p.name for p in (tmp_path / "work" / "tiny-synthetic").glob("*sve*.json"))
+    lora = {r["name"]: r["nll"] for r in raw["methods"] if r["name"].startswith("LoRA")}
+    assert lora == {r["name"]: r["nll"] for r in rel["methods"] if r["name"].startswith("LoRA")}  # reused
+    sve4 = [next(r["nll"] for r in res["methods"] if r["name"] == "SVE M=4") for res in (raw, rel)]
+    assert sve4[0] != sve4[1]
+    assert ensembles.main([*args, "--sve-parametrisation", "relative", "--sve-bias", "none"]) == 0
+    nobias = json.loads((tmp_path / "out" / "results.json").read_text())["tiny:synthetic"]
+    rows = {r["name"]: r for r in nobias["methods"]}
+    assert rows["SVE M=4"]["trainable_per_member"] < {r["name"]: r for r in rel["methods"]}["SVE M=4"][
+        "trainable_per_member"]
+
+
 def test_vectorised_metrics_match_the_librarys() -> None:
     """The bootstrap's row-wise ECE and AUROC equal guarduq's own one-at-a-time metrics."""
     from _ensemble_metrics import _ece_rows, evaluate

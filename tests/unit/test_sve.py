@@ -66,12 +66,16 @@ def materialised_member(ens: SVEnsemble, base: nn.Module, m: int) -> nn.Module:
     with torch.no_grad():
         for name, layer in ens.layers.items():
             target = model.get_submodule(name)
-            w = layer.U @ torch.diag(layer.sigma[m]) @ layer.V.T  # [out, in]
+            w = layer.U @ torch.diag(layer.spectrum()[m]) @ layer.V.T  # [out, in]
             target.weight.copy_(w.T if isinstance(target, Conv1D) else w)
+            b = layer.member_bias()
+            if b is None:
+                continue
+            b = b.expand(ens.members, -1)[m].clone()
             if target.bias is None:
-                target.bias = nn.Parameter(layer.bias[m].clone())
+                target.bias = nn.Parameter(b)
             else:
-                target.bias.copy_(layer.bias[m])
+                target.bias.copy_(b)
     return model
 
 
@@ -268,7 +272,7 @@ def test_member_batches_are_per_member_permutations():
 def test_fit_classification_lowers_the_loss_and_moves_only_member_params():
     base = tiny_llama()
     ens = SVEnsemble.from_model(base, tiny_tokenizer(), members=2, sigma_init=0.05)
-    frozen = {k: v.clone() for k, v in ens.model.state_dict().items() if not k.endswith((".sigma", ".bias"))}
+    frozen = {k: v.clone() for k, v in ens.model.state_dict().items() if not k.endswith((".delta", ".beta"))}
     start = [p.detach().clone() for p in ens.parameters()]
     ens.fit(CLASS_DATA, label_words=["positive", "negative"], steps=25, batch_size=4, lr=0.02, progress=False)
     assert len(ens.history_) == 25 and ens.steps_done_ == 25
@@ -344,9 +348,10 @@ def test_save_load_round_trip(arch, tmp_path):
 
     with safe_open(str(path), framework="pt") as f:
         keys, meta = set(f.keys()), f.metadata()
-    assert keys == {f"{n}.{a}" for n in ens.layers for a in ("sigma", "bias")}
+    assert keys == {f"{n}.{a}" for n in ens.layers for a in ("delta", "beta")}
     assert meta["fingerprint"] == ens.base_fingerprint and meta["members"] == "3"
-    assert json.loads(meta["last_n_blocks"]) == 1 and meta["format_version"] == "1"
+    assert json.loads(meta["last_n_blocks"]) == 1 and meta["format_version"] == "2"
+    assert (meta["parametrisation"], meta["bias"]) == ("relative", "scaled")
 
     loaded = SVEnsemble.load(path, base, tiny_tokenizer())
     assert loaded.steps_done_ == 3
