@@ -35,7 +35,7 @@ from guarduq.models import (
 )
 from guarduq.policy import Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
-from guarduq.policy.context import current_group, in_force
+from guarduq.policy.context import current_group, group_of, in_force
 from guarduq.response import GuardedResponse, invalid_scores  # noqa: F401 - re-exported: guard's names
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
@@ -387,7 +387,8 @@ class Guard:
         policy, calibrator = pair.policy, pair.calibrator
         calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator))
         case = self.drift.case() if self.drift is not None else None
-        ctx = in_force(policy, calibrator, current_group(), case.label if case is not None else None)
+        group = current_group() or group_of(policy)  # traffic_group(...), else the policy's default
+        ctx = in_force(policy, calibrator, group, case.label if case is not None else None)
         decision = None
         if policy is not None and not r.scores.valid:
             decision = policy.on_error_decision("scoring", r.scores.reason or "invalid", response=r.text)

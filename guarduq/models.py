@@ -198,7 +198,7 @@ def load_model(
         name, source = path.name, str(path.resolve())
     elif _looks_like_hub_id(text):
         model, tok = _load_hub(text)
-        name, source = text, f"hub:{text}"
+        name, source = text, text  # a hub id loads again as itself
     else:
         known = ", ".join(sorted(ALIASES))
         raise ModelNotFoundError(

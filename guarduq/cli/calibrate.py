@@ -44,7 +44,7 @@ from guarduq.calibration.reviews import (
 from guarduq.cli._cascade import _cmd_cascade
 from guarduq.cli._certify import allow_uncertified_arg, check_certified, reasons_for
 from guarduq.cli._help import with_example
-from guarduq.cli._run import run_args
+from guarduq.cli._run import model_of, run_args
 from guarduq.cli._scoring import (
     _check_outputs,
     _json_default,
@@ -417,9 +417,7 @@ def _coef_text(cal: Calibrator) -> str:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     cal = Calibrator.load(args.calibrator)  # fingerprint checked as soon as the model is loaded
     _check_outputs(args)
-    spec = args.model or cal.model_source or cal.model_name  # older artifacts record the name only
-    if not spec:
-        raise InputError("the calibrator names no model; pass --model")
+    spec = model_of(args.model, calibrator=args.calibrator)  # where it records its model, or --model
     if args.parameter_set is None:  # score over the parameters the calibrator was fitted on
         args.parameter_set = cal.parameter_set_
     sve = _sve_plan(args, cal.features)

@@ -55,16 +55,14 @@ def current_group() -> str | None:
     return _GROUP.get()
 
 
-def group_of(policy: Any, metadata_group: str | None = None, key_name: str | None = None) -> str | None:
-    """A request's group: its ``metadata.group``, else the policy's ``groups.by_key`` entry for
-    the API key's name, else the policy's ``groups.default`` (None: pooled traffic)."""
-    if metadata_group is not None:
-        return check_group(metadata_group)
+def group_of(policy: Any, metadata_group: str | None = None) -> str | None:
+    """A request's group: its ``metadata.group`` where the policy's ``groups.from_metadata``
+    trusts clients to say it, else the policy's ``groups.default`` (None: pooled traffic)."""
     settings = getattr(getattr(policy, "config", None), "groups", None)
     if settings is None:
         return None
-    if key_name is not None and key_name in settings.by_key:
-        return settings.by_key[key_name]
+    if metadata_group is not None and settings.from_metadata:
+        return check_group(metadata_group)
     return settings.default
 
 

@@ -335,12 +335,14 @@ class OnDrift(_Strict):
 
 
 class GroupSettings(_Strict):
-    """Traffic groups: a reply's group is its request's ``metadata.group``, else ``by_key`` of
-    the API key's name, else ``default``; a group with a certificate of its own (``calibrate
-    --dataset reviews``) is decided with its own threshold, any other by ``fallback``."""
+    """Traffic groups: a reply's group is ``default``, or its request's ``metadata.group`` where
+    ``from_metadata`` trusts clients to say it; a group with a certificate of its own
+    (``calibrate --dataset reviews``) is decided with its own threshold, any other by ``fallback``.
 
-    by_key: dict[str, Annotated[str, Field(min_length=1, max_length=64)]] = Field(
-        default_factory=dict, description="API key name -> group")
+    ``from_metadata`` is off by default: a client that may name its group may name the one with
+    the loosest certificate, which says nothing about its traffic (fail closed)."""
+
+    from_metadata: bool = False
     default: str | None = Field(None, min_length=1, max_length=64)
     fallback: Override = Override()  # `pooled` (the default), `escalate`, or an Override
 

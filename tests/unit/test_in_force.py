@@ -73,7 +73,7 @@ def policy(**extra: Any) -> Policy:
 
 
 def test_a_group_with_its_own_certificate_is_decided_with_it_and_others_fall_back() -> None:
-    p = policy(groups={"fallback": "escalate", "by_key": {"key-legal": "legal"}})
+    p = policy(groups={"fallback": "escalate"})
     own = in_force(p, CAL, "legal", None)
     assert (own.certificate, own.threshold, own.rule) == ("group", 0.2, None)
     assert own.signals() == {"risk_threshold": 0.2}
@@ -90,10 +90,9 @@ def test_a_group_with_its_own_certificate_is_decided_with_it_and_others_fall_bac
     # the default fallback: the pooled threshold
     assert in_force(policy(), CAL, "support", None).certificate == "pooled"
     # where a request's group comes from
-    assert group_of(p, "legal", "key-x") == "legal"
-    assert group_of(p, None, "key-legal") == "legal"
-    assert group_of(policy(groups={"default": "web"}), None, "key-x") == "web"
-    assert group_of(p, None, None) is None
+    assert group_of(p, "legal") is None  # the policy does not trust clients to name it
+    assert group_of(policy(groups={"default": "web"}), None) == "web"
+    assert group_of(p, None) is None
 
 
 def test_drift_cases_act_as_the_policy_says() -> None:
@@ -152,7 +151,7 @@ def built_guard(tmp_path: Path) -> tuple[Any, Any, Path]:
     (tmp_path / "cal.json").write_text(json.dumps(doc))
     text = {**POLICY, "review": {"keep_text": True, "rate": 0.0, "escalations": False},
             "on_drift": {"unseen": {"action": "escalate", "review_rate": 1.0}},
-            "groups": {"fallback": "escalate"}}
+            "groups": {"fallback": "escalate", "from_metadata": True}}
     (tmp_path / "p.yaml").write_text(json.dumps(text))
     store = Store(f"sqlite:///{tmp_path / 's.db'}")
     audit = tmp_path / "audit.jsonl"
@@ -259,3 +258,14 @@ def test_drift_action_covers_every_unseen_reply_and_few_in_distribution_ones() -
     mixed = [r for _ in range(100) for g in centres for r in _scores(centres[g], 1, rng)]
     acted = [c for c in stream(mixed) if c.rule is not None]
     assert len(acted) / len(mixed) <= 0.1  # in-distribution: the drift action rarely fires
+
+
+def test_a_client_names_its_group_only_where_the_policy_trusts_it() -> None:
+    """A client that may name its group may name the loosest certificate: off unless opted in."""
+    closed = policy(groups={"default": "support"})
+    assert group_of(closed, "legal") == "support" and group_of(closed) == "support"
+    assert group_of(policy(groups={}), "legal") is None  # pooled
+    trusting = policy(groups={"default": "support", "from_metadata": True})
+    assert group_of(trusting, "legal") == "legal" and group_of(trusting) == "support"
+    with pytest.raises(PolicyError):
+        group_of(trusting, "x" * 65)
