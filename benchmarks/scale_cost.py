@@ -55,13 +55,13 @@ def questions(n: int) -> list[str]:
     return [it.prompt for it in ds.items]
 
 
-def short_answers(model: str, n: int, tokens: int, repeats: int) -> dict[str, Any]:
-    """Unguarded vs guarded generation of ``tokens``-token answers, modes interleaved."""
+def short_answers(first: Any, n: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """Unguarded vs guarded generation of ``tokens``-token answers, modes interleaved
+    (``first``: a Guard over all parameters; the last-2-blocks Guard shares its model)."""
     import torch
 
     from guarduq import Guard, LoadedModel, layout
 
-    first = Guard(model, parameters="all")
     spec = LoadedModel(first.model, first.tokenizer, first.info)
     guards = {"all": first, "last_n_blocks=2": Guard(spec, last_n_blocks=2)}
     gen = {"max_new_tokens": tokens, "min_new_tokens": tokens}
@@ -86,10 +86,7 @@ def short_answers(model: str, n: int, tokens: int, repeats: int) -> dict[str, An
             "ratio": {k: totals[k] / totals["unguarded"] for k in guards}}
 
 
-def batch_vs_loop(model: str, pairs: list[tuple[str, str]], batch_size: int = 4) -> dict[str, Any]:
-    from guarduq import Guard
-
-    g = Guard(model, parameters="all")
+def batch_vs_loop(g: Any, pairs: list[tuple[str, str]], batch_size: int = 4) -> dict[str, Any]:
     g.score(*pairs[0])  # warm-up
     t0 = time.perf_counter()
     loop = [g.score(p, r) for p, r in pairs]
@@ -200,13 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"cost_{args.model}.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     res |= {"model": args.model, "threads": 1, "torch": torch.__version__}
-    if "short" not in args.skip:
-        res["short"] = short_answers(args.model, args.n, args.tokens, args.repeats)
-        path.write_text(json.dumps(res, indent=1) + "\n")
-    if "batch" not in args.skip:
-        pairs = [(q, "I think the answer is probably this one.") for q in questions(args.batch_n)]
-        res["batch"] = batch_vs_loop(args.model, pairs)
-        path.write_text(json.dumps(res, indent=1) + "\n")
+    if {"short", "batch"} - set(args.skip):
+        from guarduq import Guard
+
+        guard = Guard(args.model, parameters="all")  # one model for both measurements
+        if "short" not in args.skip:
+            res["short"] = short_answers(guard, args.n, args.tokens, args.repeats)
+            path.write_text(json.dumps(res, indent=1) + "\n")
+        if "batch" not in args.skip:
+            pairs = [(q, "I think the answer is probably this one.") for q in questions(args.batch_n)]
+            res["batch"] = batch_vs_loop(guard, pairs)
+            path.write_text(json.dumps(res, indent=1) + "\n")
+        del guard
     if "dtype" not in args.skip:
         if not args.cache:
             ap.error("the dtype check reads the model's cached answers: give --cache GLOB (or --skip dtype)")

@@ -32,7 +32,7 @@ REVIEWER_COOKIE = "guarduq_reviewer"
 REALM = "guarduq review"
 CSRF_KEY_LABEL = b"guarduq review csrf secret v1"
 KEY_HINT = ("give reviewers keys to open it to others (guarduq review --api-key-env VAR; "
-            "guarduq serve --review-key-env VAR)")  # domain separation for csrf_secret_from_keys
+            "guarduq serve --api-key-env VAR --review-key-env VAR2)")  # domain separation for csrf_secret_from_keys
 
 # Scripts and styles come from the page's own origin only (no inline code), so an answer that
 # smuggled markup past the escaping still could not run; nothing may frame the page.
