@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from guarduq.errors import PolicyError
+from guarduq.policy.context import check_group
+
 ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -81,15 +84,15 @@ class ChatRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _group(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        g = (v or {}).get("group")
-        if g is not None and (not isinstance(g, str) or not g.strip() or len(g) > 64 or "\0" in g):
-            raise ValueError("metadata.group names a traffic group: a non-empty string of at most 64 characters")
+        try:
+            check_group((v or {}).get("group"))
+        except PolicyError as exc:
+            raise ValueError(f"metadata.group: {exc}") from None
         return v
 
     def traffic_group(self) -> str | None:
         """``metadata.group``, stripped (None: not given)."""
-        g = (self.metadata or {}).get("group")
-        return g.strip() if isinstance(g, str) else None
+        return check_group((self.metadata or {}).get("group"))
 
     @field_validator("stop")
     @classmethod
