@@ -113,14 +113,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test-n", type=int, default=None, help="cap on test items (default: all)")
     p.add_argument("--ood-n", type=int, default=600, help="out-of-distribution items (a seeded sample)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (fp32 weights) for training and predicting with the top blocks, "
-                        "every method alike; the frozen-block states and the base scores stay fp32")
+                        "every method alike; the frozen-block states and the base scores stay fp32 "
+                        "(default: only where the CPU has native bf16; emulated, it is many times slower)")
     p.add_argument("--quick", action="store_true", help="a tiny random model on a synthetic task (make test)")
     p.add_argument("--out", type=Path, default=Path("docs/ensembles"))
     p.add_argument("--work", type=Path, default=cache_root() / "bench-ensembles")
     p.add_argument("--render", action="store_true", help="only redraw the page from <out>/results.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.bf16 is None:
+        from guarduq.models import native_bf16
+
+        args.bf16 = native_bf16()
+    return args
 
 
 def floats(text: str) -> list[float]:

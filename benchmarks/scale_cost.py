@@ -45,6 +45,7 @@ QA_FILES = {"truthfulqa-mc": "truthfulqa/TruthfulQA.csv", "truthfulqa-gen": "tru
             "triviaqa": "triviaqa/triviaqa_dev_extra_2k.jsonl", "nq-open": "nq_open/NQ-open.dev.jsonl",
             "arc": "arc_easy/ARC-Easy-Test.jsonl", "commonsenseqa": "commonsense_qa/dev_rand_split.jsonl",
             "boolq": "boolq/dev.jsonl"}
+MIN_PER_CLASS = 10  # answers of each kind before an AUROC is reported
 SCORE_KEYS = ("epistemic", "aleatoric", "mean_token_prob", "mean_logprob", "min_token_prob", "mean_entropy")
 
 
@@ -133,11 +134,12 @@ def dtype_child(model: str, dtype: str, items_file: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     items = json.loads(items_file.read_text())
     g = Guard(model, parameters="all", dtype=dtype)
+    kernel = linear_kernel(getattr(torch, dtype), int(g.model.config.hidden_size))
     g.score(items[0]["prompt"], items[0]["response"], ended=items[0]["ended"])  # warm-up
     base = _vm("VmRSS")
     t0 = time.perf_counter()
     scores = [g.score(it["prompt"], it["response"], ended=it["ended"]) for it in items]
-    return {"dtype": dtype, "seconds": time.perf_counter() - t0, "peak": _vm("VmHWM"), "loaded": base,
+    return {"dtype": dtype, "seconds": time.perf_counter() - t0, "peak": _vm("VmHWM"), "loaded": base, "kernel": kernel,
             "scores": [{k: getattr(s, k) for k in SCORE_KEYS} | {"valid": s.valid} for s in scores]}
 
 
@@ -159,18 +161,50 @@ def dtype_check(model: str, items: list[dict[str, Any]], out_dir: Path) -> dict[
     wrong = np.array([1 - it["label"] for it in items])
     f32, bf16 = runs["float32"]["scores"], runs["bfloat16"]["scores"]
     res: dict[str, Any] = {"n": len(items), "n_wrong": int(wrong.sum()),
-                           **{d: {k: runs[d][k] for k in ("seconds", "peak", "loaded")} for d in runs},
+                           **{d: {k: runs[d][k] for k in ("seconds", "peak", "loaded", "kernel")} for d in runs},
+                           "bf16_over_fp32": {
+                               "seconds": runs["bfloat16"]["seconds"] / runs["float32"]["seconds"],
+                               **{f"linear_{k}": runs["bfloat16"]["kernel"][k] / runs["float32"]["kernel"][k]
+                                  for k in ("forward_s", "backward_s")}},
                            "signals": {}}
+    # An AUROC (and its paired difference) needs both kinds of answer in numbers, else it is noise.
+    ranked = min(int(wrong.sum()), int(len(wrong) - wrong.sum())) >= MIN_PER_CLASS
     for k in SCORE_KEYS:
         a = np.array([s[k] for s in f32], dtype=float)
         b = np.array([s[k] for s in bf16], dtype=float)
         sign = float(ORIENTATION.get(k, 1))  # higher = more likely wrong
         rel = np.abs(b - a) / np.maximum(np.abs(a), 1e-30)
-        res["signals"][k] = {"median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max()),
-                             "auroc_fp32": bootstrap_auroc(wrong, sign * a),  # (AUROC, 2.5%, 97.5%)
-                             "auroc_bf16": bootstrap_auroc(wrong, sign * b),
-                             "bf16_minus_fp32": paired_bootstrap_diff(wrong, sign * b, sign * a)}
+        res["signals"][k] = {"median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max())}
+        if ranked:
+            res["signals"][k] |= {"auroc_fp32": bootstrap_auroc(wrong, sign * a),  # (AUROC, 2.5%, 97.5%)
+                                  "auroc_bf16": bootstrap_auroc(wrong, sign * b),
+                                  "bf16_minus_fp32": paired_bootstrap_diff(wrong, sign * b, sign * a)}
     return res
+
+
+def linear_kernel(dtype: Any, width: int, rows: int = 128, repeats: int = 3) -> dict[str, float]:
+    """One linear layer of the model's width (``width`` -> 4 ``width``), forward and backward in
+    ``dtype``, fastest of ``repeats``: whether this torch build has a fast GEMM for the dtype on
+    this CPU at all, which decides bf16 before any model-level number does."""
+    import torch
+
+    x0, w0 = torch.randn(rows, width, dtype=dtype), torch.randn(4 * width, width, dtype=dtype)
+    fwd = bwd = float("inf")
+    for _ in range(repeats):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        t0 = time.perf_counter()
+        y = torch.nn.functional.linear(x, w)
+        t1 = time.perf_counter()
+        y.float().sum().backward()
+        fwd, bwd = min(fwd, t1 - t0), min(bwd, time.perf_counter() - t1)
+    return {"rows": rows, "width": width, "forward_s": fwd, "backward_s": bwd}
+
+
+def write_json(path: Path, res: dict[str, Any]) -> None:
+    """Atomically: an interrupted run leaves the last complete file."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,25 +230,28 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"cost_{args.model}.json"
     res: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    res |= {"model": args.model, "threads": 1, "torch": torch.__version__}
+    from guarduq.models import native_bf16  # bf16 pays only where the CPU has it (AVX512-BF16, AMX)
+
+    res |= {"model": args.model, "threads": 1, "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16()}
     if {"short", "batch"} - set(args.skip):
         from guarduq import Guard
 
         guard = Guard(args.model, parameters="all")  # one model for both measurements
         if "short" not in args.skip:
             res["short"] = short_answers(guard, args.n, args.tokens, args.repeats)
-            path.write_text(json.dumps(res, indent=1) + "\n")
+            write_json(path, res)
         if "batch" not in args.skip:
             pairs = [(q, "I think the answer is probably this one.") for q in questions(args.batch_n)]
             res["batch"] = batch_vs_loop(guard, pairs)
-            path.write_text(json.dumps(res, indent=1) + "\n")
+            write_json(path, res)
         del guard
     if "dtype" not in args.skip:
         if not args.cache:
             ap.error("the dtype check reads the model's cached answers: give --cache GLOB (or --skip dtype)")
         items = cached_answers(args.cache, args.dtype_n)
         res["dtype"] = dtype_check(args.model, items, args.out)
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        write_json(path, res)
     print(json.dumps({k: v for k, v in res.items() if k != "dtype"} | {"dtype": {
         k: v for k, v in res.get("dtype", {}).items() if k != "signals"}}, indent=1))
     return 0

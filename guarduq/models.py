@@ -150,9 +150,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX). Without it torch emulates
+    bf16 matrix products, measured 20-60x slower than fp32 on an AVX2-only EPYC
+    (docs/results/scale/), so bf16 saves memory there but never time."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
 def place_model(model: nn.Module, device: str | torch.device | None, dtype: str | torch.dtype | None) -> None:
     """Move/cast ``model`` in place. Fingerprint it first: the fingerprint names the fp32 weights."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if dev.type == "cpu" and dt == torch.bfloat16 and not native_bf16():
+        log.warning("bf16_emulated", hint="this CPU has no native bf16 (AVX512-BF16/AMX): expect scoring "
+                    "many times slower than float32; bf16 only saves memory here")
     fingerprint(model)  # cached per object, so casting afterwards keeps the weights' name
     try:
         model.to(device=dev)

@@ -81,3 +81,24 @@ def test_broken_folder_is_a_load_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize(("caps", "warned"), [({"avx2": True}, True), ({"avx512_bf16": True}, False),
+                                              ({"amx_bf16": True}, False)])
+def test_bf16_on_a_cpu_without_native_bf16_is_warned_about(monkeypatch, caplog, caps, warned):
+    """Emulated bf16 is many times slower than float32: a user asking for it is told so."""
+    import logging
+
+    from guarduq.models import native_bf16, place_model
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert native_bf16() is not warned
+    model = tiny_llama()
+    with caplog.at_level(logging.WARNING, logger="guarduq"):
+        place_model(model, "cpu", "bf16")
+    assert ("bf16_emulated" in caplog.text) is warned
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="guarduq"):
+        place_model(tiny_llama(), "cpu", "float32")
+    assert "bf16_emulated" not in caplog.text
