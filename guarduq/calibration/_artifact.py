@@ -155,3 +155,14 @@ def strict_json(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return strict_json(obj.item())
     return obj
+
+def fitted_for(path: Path, model: str | None) -> str:
+    """Where a calibrator for ``model`` sits beside ``path`` (``policies/calibrators/<model>.json``),
+    and the shipped policy that uses it (``policies/<model>.yaml``): what to pass instead."""
+    if not model or "/" in model:
+        return ""
+    sibling = path.with_name(f"{model}.json")
+    if sibling == path or not sibling.is_file():
+        return ""
+    policy = path.parent.parent / f"{model}.yaml"
+    return f"pass {sibling}, fitted for it" + (f" (its policy: {policy})" if policy.is_file() else "")

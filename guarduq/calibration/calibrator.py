@@ -51,6 +51,7 @@ from guarduq.calibration._artifact import (  # noqa: F401 - the format's names, 
     FORMAT_VERSION_WITHIN,
     READABLE_VERSIONS,
     Artifact,
+    fitted_for,
     read_artifact,
     strict_json,
 )
@@ -495,8 +496,7 @@ class Calibrator:
         art, raw = read_artifact(path)
         self = cls._from_artifact(art, path)
         self._sha256 = hashlib.sha256(raw).hexdigest()
-        sibling = path.with_name(f"{expected_model}.json") if expected_model and "/" not in expected_model else None
-        hint = f"pass {sibling}, fitted for it" if sibling and sibling != path and sibling.is_file() else ""
+        hint = fitted_for(path, expected_model)
         self.check_model(expected_fingerprint, model_name=expected_model, allow_mismatch=allow_mismatch, hint=hint)
         return self
 
@@ -589,3 +589,4 @@ def _parameter_set(s: ScoreLike) -> str:
     """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
     value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
     return str(value) if value else ALL_PARAMETERS
+

@@ -182,6 +182,11 @@ def test_a_policy_whose_calibrator_is_another_models_names_both_and_the_right_fi
     with pytest.raises(FingerprintMismatchError) as err:
         Guard((llama, tokenizer), policy=path)
     assert f"pass {tmp_path / 'cals' / name}.json, fitted for it" in str(err.value)
+    assert "its policy" not in str(err.value)
+    (tmp_path / f"{name}.yaml").write_text(policy)  # the shipped layout: policies/<model>.yaml
+    with pytest.raises(FingerprintMismatchError) as err:
+        Guard((llama, tokenizer), policy=path)
+    assert f"(its policy: {tmp_path / name}.yaml)" in str(err.value)
 
 
 def test_cli_policy_explain(calibrator_path, tmp_path, llama, tokenizer, capsys):
