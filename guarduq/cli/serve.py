@@ -21,7 +21,7 @@ from guarduq.cli._run import (
     sve_arg,
     threads_arg,
 )
-from guarduq.errors import GuardUQError, InputError
+from guarduq.errors import GuardUQError, InputError, UncertifiedPairError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +57,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="reload the policy and calibrator when their files change (SIGHUP always does)")
     p.add_argument("--watch-interval", type=float, default=2.0, metavar="S",
                    help="seconds between --watch polls of the files' mtime and size")
+    p.add_argument("--allow-uncertified", action="store_true",
+                   help="start even when a threshold rule of the policy can never match under its "
+                        "calibrator (no threshold certified at its alpha: every reply the rule would "
+                        "let through is withheld; `guarduq policy check --strict` says why); without it "
+                        "serve refuses such a pair, as its reloads do")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="bind a non-loopback host without an API key, and answer any Host header "
                         "(without a key every route answers only loopback names; not recommended)")
@@ -173,8 +178,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         store = Store(args.store)  # a bad URL or an unreachable database fails before the model loads
     args.model = model_of(args.model, calibrator=args.calibrator, policy=args.policy)
-    guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
-                       audit=args.audit, store=store, **parameter_kwargs(args.parameter_set))
+    try:
+        guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
+                           audit=args.audit, store=store, allow_uncertified=args.allow_uncertified,
+                           **parameter_kwargs(args.parameter_set))
+    except UncertifiedPairError as exc:  # the check every reload makes: nothing uncertified goes live
+        raise UncertifiedPairError(f"refusing to serve: {exc.problem} (`guarduq policy check --strict` says "
+                                   "the same; --allow-uncertified starts it anyway)", exc.problem) from None
     features = guard.calibrator.features if guard.calibrator is not None else ()
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),
@@ -196,16 +206,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                                     allow_unauthenticated_remote=args.allow_unauthenticated_remote),
                      alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None,
                      fraction_of=lambda: review_fraction(guard.policy))
-    from guarduq.serve.reload import uncertified
+    from guarduq.decider import uncertified
 
-    if (problem := uncertified(guard.decider)) is not None:  # a reload of this pair would be refused
-        print(f"guarduq: WARNING: {problem}", file=sys.stderr, flush=True)
+    forced = args.allow_uncertified and uncertified(guard.decider) is not None  # Guard logged a warning
     print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
           f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
           f"auth={'on' if keys else 'off'}  reload=SIGHUP{', --watch' if args.watch else ''}"
           f"{', POST /admin/reload' if admin_keys else ''}"
           f"{'' if keys or args.allow_unauthenticated_remote else '  host=loopback names only'}"
-          f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}",
+          f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}"
+          f"{'  UNCERTIFIED pair (--allow-uncertified): its threshold rules never match' if forced else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
