@@ -180,7 +180,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           f"{', POST /admin/reload' if admin_keys else ''}"
           f"{'' if keys or args.allow_unauthenticated_remote else '  host=loopback names only'}"
           f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}"
-          f"{'  UNCERTIFIED pair (--allow-uncertified): its threshold rules never match' if forced else ''}",
+          f"{'  UNCERTIFIED pair (--allow-uncertified; the warning above says which rule never matches)' if forced else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -94,4 +94,4 @@ def test_serve_refuses_to_start_on_an_uncertified_pair_unless_told(tiny_model_di
     assert "--allow-uncertified" in err and "allow_uncertified=True" not in err
     assert main([*argv, "--allow-uncertified"]) == 0 and served["port"] == 8124
     err = capsys.readouterr().err
-    assert "guard_uncertified_pair" in err and "UNCERTIFIED pair (--allow-uncertified)" in err
+    assert "guard_uncertified_pair" in err and "UNCERTIFIED pair (--allow-uncertified;" in err
