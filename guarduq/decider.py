@@ -6,6 +6,10 @@ old policy with a new calibrator. ``Decider.load`` checks what a Guard checks wh
 (policy schema, the model the policy is for, the calibrator's fingerprint, binding sinks and the
 second opinion) and, for a reload, that the calibrator reads scores over the scorer's parameter set:
 a file that fails raises before anything changes.
+
+:func:`check_certified` is the one check, shared by ``Guard(...)``, ``Guard.reload`` and every
+reload of ``guarduq serve``, that refuses a pair under which a threshold rule of the policy can
+never match (the check ``guarduq policy check --strict`` makes), unless the caller forces it.
 """
 
 from __future__ import annotations
@@ -17,14 +21,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guarduq._logging import get_logger
 from guarduq.calibration import Calibrator, feature_matrix
-from guarduq.errors import CalibrationError, FingerprintMismatchError
+from guarduq.errors import CalibrationError, FingerprintMismatchError, UncertifiedPairError
 from guarduq.policy import Policy
+from guarduq.policy.certified import certified_thresholds
 from guarduq.store.sampling import ReviewSampler
 
 if TYPE_CHECKING:
     from guarduq.models import ModelInfo
     from guarduq.scoring.uncertainty import Scores
+
+log = get_logger("decider")
 
 PolicySpec = Policy | str | os.PathLike[str] | None
 CalibratorSpec = Calibrator | str | os.PathLike[str] | None
@@ -161,6 +169,31 @@ class Decider:
             calibrator if calibrator is not None else self.calibrator_source,
             model, self.binding, parameter_set=parameter_set, strict=True,
         )
+
+
+def uncertified(pair: Decider) -> str | None:
+    """Why a threshold rule of ``pair``'s policy can never match under its calibrator, as
+    ``guarduq policy check --strict`` says it (its :func:`certified_thresholds`); None when none."""
+    policy = pair.policy
+    if policy is None:
+        return None
+    problems = [certified_thresholds(policy, pair.calibrator).warning]
+    if getattr(policy, "second_calibrator_path", None) is not None and policy.second_threshold is None:
+        problems.append(f"the second stage certifies no threshold at alpha {policy.alpha:g}: "
+                        "so.risk <= so.threshold never holds")
+    return "; ".join(p for p in problems if p) or None
+
+
+def check_certified(pair: Decider, *, force: bool, how_to_force: str, event: str, **context: Any) -> None:
+    """Refuse (``UncertifiedPairError``, its message ending in ``how_to_force``) a pair that
+    :func:`uncertified` finds fault with; ``force`` takes it, logged as warning ``event``.
+    Every reply such a pair would let through is withheld, so it never goes live unannounced."""
+    problem = uncertified(pair)
+    if problem is None:
+        return
+    if not force:
+        raise UncertifiedPairError(f"{problem} ({how_to_force})", problem)
+    log.warning(event, problem=problem[:1000], calibrator_sha256=pair.identity.calibrator_sha256, **context)
 
 
 def _source(given: Any, obj: Any) -> Any:

@@ -61,6 +61,17 @@ class ReloadError(GuardUQError):
     stays. The message says what failed."""
 
 
+class UncertifiedPairError(ReloadError, PolicyError):
+    """A policy/calibrator pair under which a threshold rule of the policy can never match (the
+    check ``guarduq policy check --strict`` makes): refused by ``Guard(...)`` (unless
+    ``allow_uncertified=True``), ``Guard.reload`` (unless ``force=True``), ``guarduq serve`` (unless
+    ``--allow-uncertified``) and its reloads (unless ``POST /admin/reload?force=true``)."""
+
+    def __init__(self, message: str, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = problem or message  # why, without how to force it (each caller says its own)
+
+
 class EscalationError(GuardUQError):
     """An escalation sink failed to accept a case."""
 

@@ -22,7 +22,14 @@ from tqdm.auto import tqdm
 from guarduq import batching, layout, streaming
 from guarduq._logging import get_logger
 from guarduq.calibration import Calibrator
-from guarduq.decider import Decider, Identity, binding_of, calibrated_signals, pair_attribute
+from guarduq.decider import (
+    Decider,
+    Identity,
+    binding_of,
+    calibrated_signals,
+    check_certified,
+    pair_attribute,
+)
 from guarduq.errors import GuardUQAbstention, InputError, ScoringError
 from guarduq.layout import PromptLike
 from guarduq.models import (
@@ -68,6 +75,10 @@ class Guard:
     a policy may name as callable sinks; ``raise_on_abstain`` raises ``GuardUQAbstention``
     instead of returning a withheld answer.
 
+    A policy/calibrator pair under which a threshold rule of the policy can never match (``guarduq
+    policy check --strict`` warns of it; every reply it would let through is withheld) raises
+    ``UncertifiedPairError``, here and in ``reload``, unless ``allow_uncertified=True``.
+
     ``checkpoint_tokens``: sequences longer than this are scored with activation checkpointing
     (less memory, about a third more time on long prompts; None: never).
 
@@ -94,6 +105,7 @@ class Guard:
         sinks: dict[str, Any] | None = None,
         allow_callables: Collection[str] = (),
         raise_on_abstain: bool = False,
+        allow_uncertified: bool = False,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         checkpoint_tokens: int | None = CHECKPOINT_TOKENS,
@@ -110,6 +122,8 @@ class Guard:
         self.max_new_tokens = max_new_tokens
         self.decider = Decider.load(  # read, checked against the model, bound
             policy, calibrator, self.info, binding_of(second_opinion, allow_callables, sinks))
+        check_certified(self.decider, force=allow_uncertified, event="guard_uncertified_pair",
+                        how_to_force="Guard(..., allow_uncertified=True) takes it anyway")
         self.scorer = GradientScorer(self.model, checkpoint_tokens=checkpoint_tokens, **resolve_selection(
             parameters, last_n_blocks, self.calibrator.parameter_set_ if self.calibrator is not None else None,
             default_last_n_blocks=DEFAULT_LAST_N_BLOCKS,
@@ -120,12 +134,16 @@ class Guard:
         self.raise_on_abstain = raise_on_abstain
 
     def reload(self, policy: Policy | str | os.PathLike[str] | None = None,
-               calibrator: Calibrator | str | os.PathLike[str] | None = None) -> Identity:
+               calibrator: Calibrator | str | os.PathLike[str] | None = None, *, force: bool = False) -> Identity:
         """Swap in a new policy/calibrator pair (None: re-read this pair's files), checked as at
-        construction and against the scorer's parameter set; if anything fails, nothing changes."""
-        self.decider = self.decider.reloaded(self.info, policy=policy, calibrator=calibrator,
-                                             parameter_set=self.scorer.parameter_set)
-        return self.decider.identity
+        construction and against the scorer's parameter set; if anything fails, nothing changes.
+        An uncertified pair raises ``UncertifiedPairError`` unless ``force``."""
+        new = self.decider.reloaded(self.info, policy=policy, calibrator=calibrator,
+                                    parameter_set=self.scorer.parameter_set)
+        check_certified(new, force=force, event="reload_forced_uncertified", trigger="Guard.reload",
+                        how_to_force="Guard.reload(..., force=True) takes it anyway")
+        self.decider = new
+        return new.identity
 
     # ----------------------------------------------------------------- the request flow
 

@@ -160,6 +160,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"  {outcome:<60} {n:>8,}")
 
 
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What ``uvicorn.run`` was called with (nothing is served: CLI tests of ``guarduq serve``)."""
+    uvicorn = pytest.importorskip("uvicorn")
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(app=app, **kw))
+    return got
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama and its chat tokenizer saved as an HF folder (for CLI tests: --model DIR)."""

@@ -186,7 +186,9 @@ def _print_human(row: dict[str, Any]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    guard = open_guard(model_of(args.model, policy=args.policy), sve=args.sve, policy=args.policy)
+    # a look at what the pair decides, never served: an uncertified one is shown (with a warning)
+    guard = open_guard(model_of(args.model, policy=args.policy), sve=args.sve, policy=args.policy,
+                       allow_uncertified=True)
     if guard.policy is not None:
         print(f"policy {guard.policy.name} v{guard.policy.version} ({args.policy})")
     print(f"model {guard.info.name}  fingerprint {guard.info.fingerprint}  "

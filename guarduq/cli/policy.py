@@ -193,6 +193,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         policy=args.file,
         calibrator=args.calibrator,
         max_new_tokens=args.max_new_tokens,
+        allow_uncertified=True,  # explaining a decision puts nothing live; Guard warns of such a pair
     )
     if args.response is None:
         result = guard.generate(args.prompt)

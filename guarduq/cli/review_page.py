@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from guarduq.cli._help import with_example
-from guarduq.cli.serve import api_keys_from_env, check_bind, review_fraction
+from guarduq.cli._keys import api_keys_from_env
+from guarduq.cli.serve import check_bind, review_fraction
 from guarduq.errors import GuardUQError, InputError
 
 if TYPE_CHECKING:

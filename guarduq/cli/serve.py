@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from guarduq._http import is_loopback
 from guarduq.aliases import DEFAULT_MODEL
 from guarduq.cli._help import with_example
+from guarduq.cli._keys import api_keys_from_env, door_keys
 from guarduq.cli._run import (
     check_sve_file,
     model_of,
@@ -21,7 +21,9 @@ from guarduq.cli._run import (
     sve_arg,
     threads_arg,
 )
-from guarduq.errors import GuardUQError, InputError
+from guarduq.errors import GuardUQError, InputError, UncertifiedPairError
+
+__all__ = ["api_keys_from_env", "check_bind", "door_keys", "register", "review_fraction"]  # old paths kept
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key-env", metavar="VAR",
-                   help="environment variable holding the API key(s), comma-separated")
+                   help="environment variable holding the API key(s), comma-separated; an entry NAME:KEY "
+                        "names its key (NAME: [A-Za-z0-9_.-], 1-64), and under a policy's groups.from_key "
+                        "its requests belong to traffic group NAME")
     p.add_argument("--admin-key-env", metavar="VAR",
                    help="environment variable holding the admin key(s) for POST /admin/reload "
                         "(separate from the API keys; without it /admin/* answers 403)")
@@ -57,6 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="reload the policy and calibrator when their files change (SIGHUP always does)")
     p.add_argument("--watch-interval", type=float, default=2.0, metavar="S",
                    help="seconds between --watch polls of the files' mtime and size")
+    p.add_argument("--allow-uncertified", action="store_true",
+                   help="start even when a threshold rule of the policy can never match under its "
+                        "calibrator (no threshold certified at its alpha: every reply the rule would "
+                        "let through is withheld; `guarduq policy check --strict` says why); without it "
+                        "serve refuses such a pair, as its reloads do")
     p.add_argument("--allow-unauthenticated-remote", action="store_true",
                    help="bind a non-loopback host without an API key, and answer any Host header "
                         "(without a key every route answers only loopback names; not recommended)")
@@ -110,48 +119,9 @@ def check_bind(host: str, *, has_key: bool, allow_unauthenticated_remote: bool) 
     )
 
 
-def api_keys_from_env(var: str | None, flag: str = "--api-key-env") -> tuple[str, ...]:
-    if var is None:
-        return ()
-    bad = InputError(f"{flag} {var!r}: not a valid environment variable name")
-    if not var or "=" in var or "\0" in var:
-        raise bad
-    try:
-        raw = os.environ.get(var)
-    except UnicodeError as exc:  # a lone surrogate: no environment can hold that name
-        raise bad from exc
-    if raw is None:
-        raise InputError(f"{flag} {var}: the environment variable {var} is not set")
-    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
-    if not keys:
-        raise InputError(f"{flag} {var}: the variable holds no key")
-    if any(len(k) < 16 for k in keys):
-        raise InputError(f"{flag} {var}: keys must be at least 16 characters")
-    return keys
-
-
-def door_keys(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(API, admin, review) keys. A key opens one door only, and reviewers of a server whose API
-    has keys get keys of their own (else /review would answer this machine only)."""
-    keys = api_keys_from_env(args.api_key_env)
-    admin_keys = api_keys_from_env(args.admin_key_env, "--admin-key-env")
-    review_keys = api_keys_from_env(args.review_key_env, "--review-key-env")
-    if review_keys and not args.review:
-        raise InputError("--review-key-env opens the review page: add --review")
-    if args.review and keys and not review_keys:
-        raise InputError("--review with --api-key-env: give reviewers their own keys with --review-key-env VAR "
-                         "(API keys do not open /review)")
-    doors = {"--api-key-env": set(keys), "--admin-key-env": set(admin_keys), "--review-key-env": set(review_keys)}
-    names = list(doors)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if doors[a] & doors[b]:
-                raise InputError(f"{a} and {b} share a key: each key opens one door only")
-    return keys, admin_keys, review_keys
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    keys, admin_keys, review_keys = door_keys(args)
+    doors = door_keys(args)
+    keys, admin_keys, review_keys = doors.api, doors.admin, doors.review
     if not args.watch_interval > 0:
         raise InputError(f"--watch-interval must be > 0 seconds, got {args.watch_interval}")
     check_bind(args.host, has_key=bool(keys), allow_unauthenticated_remote=args.allow_unauthenticated_remote)
@@ -173,12 +143,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         store = Store(args.store)  # a bad URL or an unreachable database fails before the model loads
     args.model = model_of(args.model, calibrator=args.calibrator, policy=args.policy)
-    guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
-                       audit=args.audit, store=store, **parameter_kwargs(args.parameter_set))
+    try:
+        guard = open_guard(args.model, sve=args.sve, policy=args.policy, calibrator=args.calibrator,
+                           audit=args.audit, store=store, allow_uncertified=args.allow_uncertified,
+                           **parameter_kwargs(args.parameter_set))
+    except UncertifiedPairError as exc:  # the check every reload makes: nothing uncertified goes live
+        raise UncertifiedPairError(f"refusing to serve: {exc.problem} (`guarduq policy check --strict` says "
+                                   "the same; --allow-uncertified starts it anyway)", exc.problem) from None
     features = guard.calibrator.features if guard.calibrator is not None else ()
     settings = Settings(
         model_ids=tuple(dict.fromkeys([*args.model_name, guard.info.name, str(args.model)])),
-        api_keys=keys, admin_keys=admin_keys, reload_on_sighup=True,
+        api_keys=keys, api_key_names=doors.api_names, admin_keys=admin_keys, reload_on_sighup=True,
         allow_unauthenticated_remote=args.allow_unauthenticated_remote,
         watch_s=args.watch_interval if args.watch else None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
@@ -196,16 +171,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                                     allow_unauthenticated_remote=args.allow_unauthenticated_remote),
                      alpha_of=lambda: guard.policy.alpha if guard.policy is not None else None,
                      fraction_of=lambda: review_fraction(guard.policy))
-    from guarduq.serve.reload import uncertified
+    from guarduq.decider import uncertified
 
-    if (problem := uncertified(guard.decider)) is not None:  # a reload of this pair would be refused
-        print(f"guarduq: WARNING: {problem}", file=sys.stderr, flush=True)
+    forced = args.allow_uncertified and uncertified(guard.decider) is not None  # Guard logged a warning
     print(f"guarduq: serving {guard.info.name} ({guard.info.fingerprint[:12]}) on http://{args.host}:"
           f"{args.port}/v1  policy={guard.policy.name if guard.policy else None}  "
           f"auth={'on' if keys else 'off'}  reload=SIGHUP{', --watch' if args.watch else ''}"
           f"{', POST /admin/reload' if admin_keys else ''}"
           f"{'' if keys or args.allow_unauthenticated_remote else '  host=loopback names only'}"
-          f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}",
+          f"{f'  store={store!r}' if store is not None else ''}{'  review=/review' if args.review else ''}"
+          f"{'  UNCERTIFIED pair (--allow-uncertified; the warning above says which rule never matches)' if forced else ''}",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -11,7 +11,7 @@ pooled one the wrong statement for a reply, and the policy says what happens the
   replaces the rules (and may raise review, up to every reply).
 
 The group of a request is set around the Guard call with :func:`traffic_group` (``guarduq
-serve`` does so from ``metadata.group`` or the API key); the Guard reads it with
+serve`` does so from the API key's name or ``metadata.group``, by :func:`group_of`); the Guard reads it with
 :func:`current_group`. The calibrator is read by attribute (``group_thresholds_``), as
 ``certified.py`` reads ``thresholds_``, so this layer imports no numpy.
 """
@@ -55,12 +55,16 @@ def current_group() -> str | None:
     return _GROUP.get()
 
 
-def group_of(policy: Any, metadata_group: str | None = None) -> str | None:
-    """A request's group: its ``metadata.group`` where the policy's ``groups.from_metadata``
-    trusts clients to say it, else the policy's ``groups.default`` (None: pooled traffic)."""
+def group_of(policy: Any, metadata_group: str | None = None, key_name: str | None = None) -> str | None:
+    """A request's group, first found of: the name of the API key that authenticated it, where the
+    policy's ``groups.from_key`` says so (the operator's assignment, which a client cannot
+    override); its ``metadata.group``, where ``groups.from_metadata`` trusts clients to say it;
+    the policy's ``groups.default`` (None: pooled traffic)."""
     settings = getattr(getattr(policy, "config", None), "groups", None)
     if settings is None:
         return None
+    if key_name is not None and settings.from_key:
+        return check_group(key_name)
     if metadata_group is not None and settings.from_metadata:
         return check_group(metadata_group)
     return settings.default

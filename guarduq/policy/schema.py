@@ -335,13 +335,17 @@ class OnDrift(_Strict):
 
 
 class GroupSettings(_Strict):
-    """Traffic groups: a reply's group is ``default``, or its request's ``metadata.group`` where
-    ``from_metadata`` trusts clients to say it; a group with a certificate of its own
-    (``calibrate --dataset reviews``) is decided with its own threshold, any other by ``fallback``.
+    """Traffic groups: a reply's group is, first found, the name of the API key that authenticated
+    its request where ``from_key`` says so (``guarduq serve --api-key-env`` entries ``NAME:KEY``),
+    its request's ``metadata.group`` where ``from_metadata`` trusts clients to say it, else
+    ``default``; a group with a certificate of its own (``calibrate --dataset reviews``) is
+    decided with its own threshold, any other by ``fallback``.
 
-    ``from_metadata`` is off by default: a client that may name its group may name the one with
-    the loosest certificate, which says nothing about its traffic (fail closed)."""
+    A key's name wins over the client's metadata: it is the operator's assignment. Both are off by
+    default: a client that may name its group may name the one with the loosest certificate,
+    which says nothing about its traffic (fail closed)."""
 
+    from_key: bool = False
     from_metadata: bool = False
     default: str | None = Field(None, min_length=1, max_length=64)
     fallback: Override = Override()  # `pooled` (the default), `escalate`, or an Override

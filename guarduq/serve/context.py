@@ -21,6 +21,9 @@ class Settings:
 
     model_ids: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()
+    # key -> name, for the API keys given as NAME:KEY; under the policy's groups.from_key a request
+    # that key authenticates belongs to traffic group NAME (guarduq.policy.context.group_of)
+    api_key_names: dict[str, str] = field(default_factory=dict)
     admin_keys: tuple[str, ...] = ()  # /admin/*; none: those answer 403
     # Without API keys every route answers this machine only, under a loopback Host name (a
     # DNS-rebinding page cannot reach it); True answers anyone (guarduq serve's flag of that name).

@@ -9,9 +9,9 @@ one stays; the failure is logged (``reload_failed``), counted
 
 A pair under which a threshold rule of the policy can never match (no threshold certified at its
 alpha: every reply the rule would let through is withheld) fails too, by the check ``guarduq
-policy check --strict`` makes (:func:`uncertified`). Only an admin's explicit
-``POST /admin/reload?force=true`` puts such a pair in force, logged as a warning; SIGHUP and
-``--watch`` never do.
+policy check --strict`` makes: :func:`guarduq.decider.check_certified`, the check ``Guard(...)``
+and ``Guard.reload`` make. Only an admin's explicit ``POST /admin/reload?force=true`` puts such a
+pair in force, logged as a warning; SIGHUP and ``--watch`` never do.
 """
 
 from __future__ import annotations
@@ -27,31 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from guarduq._logging import get_logger
-from guarduq.decider import Decider, Identity
-from guarduq.errors import GuardUQError, ReloadError
-from guarduq.policy.certified import certified_thresholds
+from guarduq.decider import Decider, Identity, check_certified, uncertified
+from guarduq.errors import GuardUQError, ReloadError, UncertifiedPairError
+
+# uncertified and UncertifiedPairError lived here; their old import paths keep working
+__all__ = ["Prepare", "ReloadResult", "Reloader", "UncertifiedPairError", "install_sighup", "signature",
+           "uncertified"]
 
 log = get_logger("serve")
 
 # (old, new) -> None, or what the worker runs together with the swap (e.g. a new drift monitor)
 Prepare = Callable[[Decider, Decider], Callable[[], None] | None]
-
-
-class UncertifiedPairError(ReloadError):
-    """The new pair certifies no threshold a rule of its policy needs (``?force=true`` takes it)."""
-
-
-def uncertified(pair: Decider) -> str | None:
-    """Why a threshold rule of ``pair``'s policy can never match under its calibrator, as
-    ``guarduq policy check --strict`` says it (its :func:`certified_thresholds`); None when none."""
-    policy = pair.policy
-    if policy is None:
-        return None
-    problems = [certified_thresholds(policy, pair.calibrator).warning]
-    if getattr(policy, "second_calibrator_path", None) is not None and policy.second_threshold is None:
-        problems.append(f"the second stage certifies no threshold at alpha {policy.alpha:g}: "
-                        "so.risk <= so.threshold never holds")
-    return "; ".join(p for p in problems if p) or None
 
 
 @dataclass(frozen=True)
@@ -89,7 +75,8 @@ class Reloader:
             old: Decider = self.guard.decider
             try:
                 new = old.reloaded(self.guard.info, parameter_set=self.guard.scorer.parameter_set)
-                self._check_certified(new, trigger, force)
+                check_certified(new, force=force, event="reload_forced_uncertified", trigger=trigger,
+                                how_to_force="an admin can force it: POST /admin/reload?force=true")
                 then = self._prepare(old, new) if self._prepare is not None else None
                 self.engine.call_between(lambda: self._swap(new, then)).result()
             except Exception as exc:  # whatever failed, the old pair stays and says so
@@ -104,16 +91,6 @@ class Reloader:
             log.warning("reloaded", trigger=trigger, changed=result.changed,
                         **{f"new_{k}": v for k, v in result.new.to_dict().items()})
             return result
-
-    @staticmethod
-    def _check_certified(new: Decider, trigger: str, force: bool) -> None:
-        problem = uncertified(new)
-        if problem is None:
-            return
-        if not force:
-            raise UncertifiedPairError(f"{problem} (an admin can force it: POST /admin/reload?force=true)")
-        log.warning("reload_forced_uncertified", trigger=trigger, problem=problem[:1000],
-                    calibrator_sha256=new.identity.calibrator_sha256)
 
     def _swap(self, new: Decider, then: Callable[[], None] | None) -> None:
         """On the worker thread, between jobs."""

@@ -13,6 +13,7 @@ re-resolves its name to 127.0.0.1 (DNS rebinding) sends ``Host: attacker.example
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -23,24 +24,36 @@ from guarduq.serve.context import error_response
 from guarduq.serve.schema import ApiError
 
 
-def bearer_ok(request: Request, keys: tuple[str, ...]) -> bool:
+def bearer_key(request: Request, keys: tuple[str, ...]) -> str | None:
+    """The one of ``keys`` the request's bearer token is (None: none of them)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    ok = False
+    found = None
     for key in keys:  # every key is compared, in constant time each
-        ok |= hmac.compare_digest(given, key.encode())
-    return ok
+        if hmac.compare_digest(given, key.encode()):
+            found = key
+    return found
 
 
-def authorize(request: Request, keys: tuple[str, ...], metrics: Any) -> None:
+def bearer_ok(request: Request, keys: tuple[str, ...]) -> bool:
+    return bearer_key(request, keys) is not None
+
+
+def authorize(request: Request, keys: tuple[str, ...], metrics: Any,
+              names: Mapping[str, str] | None = None) -> str | None:
     """A 401 unless the request carries one of the API ``keys`` (none configured: open, and
-    :class:`LoopbackOnly` keeps it to this machine)."""
-    if keys and not bearer_ok(request, keys):
+    :class:`LoopbackOnly` keeps it to this machine). Returns the name ``names`` gives the key that
+    opened (None: an unnamed key, or no keys)."""
+    if not keys:
+        return None
+    key = bearer_key(request, keys)
+    if key is None:
         metrics.rejected.labels("auth").inc()
         raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
                        type="invalid_request_error", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
+    return (names or {}).get(key)
 
 
 def authorize_admin(request: Request, keys: tuple[str, ...], metrics: Any) -> None:

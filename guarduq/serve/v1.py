@@ -54,7 +54,7 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        authorize(request, s.api_keys, metrics)
+        key_name = authorize(request, s.api_keys, metrics, s.api_key_names)
         req = _parse(ChatRequest, await _read_body(request, s.max_body_bytes))
         _check_model(req.model, model_ids)
         if (bad := unsupported(req)) is not None:
@@ -64,7 +64,7 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
         n_prompt = _check_tokens(guard, prompt, max_new, s)
         kind = "stream" if req.stream else "generate"
         job = Job(kind, prompt, gen=gen, stop=req.stop, seed=req.seed,
-                  group=group_of(srv.pair().policy, req.traffic_group()))
+                  group=group_of(srv.pair().policy, req.traffic_group(), key_name=key_name))
         if not req.stream:
             r = await _wait(request, _submit(engine, job, s, metrics), metrics)
             return Json(completion_body(req, model_ids[0], r, guard, n_prompt, max_new), headers=verdict_header(r))
@@ -78,7 +78,7 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
 
     @app.post("/v1/guarduq/score")
     async def score(request: Request) -> Json:
-        authorize(request, s.api_keys, metrics)
+        key_name = authorize(request, s.api_keys, metrics, s.api_key_names)
         req = _parse(ScoreRequest, await _read_body(request, s.max_body_bytes))
         if req.model is not None:
             _check_model(req.model, model_ids)
@@ -89,7 +89,8 @@ def add_openai_routes(app: FastAPI, srv: Server) -> None:
             raise ApiError(400, f"response is longer than {s.max_prompt_chars} characters",
                            param="response", code="response_too_long")
         _check_tokens(guard, prompt, 0, s)
-        job = Job("score", prompt, response=req.response, ended=req.ended)
+        job = Job("score", prompt, response=req.response, ended=req.ended,
+                  group=group_of(srv.pair().policy, key_name=key_name))
         r = await _wait(request, _submit(engine, job, s, metrics), metrics)
         return Json({"object": "guarduq.score", "model": model_ids[0], "shown_text": r.shown_text,
                      "guarduq": guarduq_object(r)}, headers=verdict_header(r))

@@ -28,7 +28,8 @@ def cascade_guard(real_guard: Guard) -> Guard:
         if path is None or not path.is_file():
             pytest.skip(f"{path} is absent (make calibrator / make sve / make cascade-calibrator)")
     loaded = LoadedModel(real_guard.model, real_guard.tokenizer, real_guard.info)
-    return Guard(loaded, policy=CASCADE, second_opinion=SVEnsemble.load(SVE_FILE, loaded))
+    # its second stage certifies nothing on SmolLM2 (the policy's comment): taken knowingly
+    return Guard(loaded, policy=CASCADE, second_opinion=SVEnsemble.load(SVE_FILE, loaded), allow_uncertified=True)
 
 
 def test_shipped_cascade_binds_certified_numbers(cascade_guard: Guard) -> None:

@@ -96,15 +96,6 @@ def test_another_models_members_are_refused(tiny_model_dir: Path, tmp_path: Path
     assert "trained on model" in capsys.readouterr().err
 
 
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """What ``uvicorn.run`` was called with (nothing is served)."""
-    uvicorn = pytest.importorskip("uvicorn")
-    got: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: got.update(app=app, **kw))
-    return got
-
-
 def test_serve_answers_a_second_opinion_policy_with_sve(sve: tuple[Path, Any], tiny_model_dir: Path,
                                                         tmp_path: Path, served: dict[str, Any],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
