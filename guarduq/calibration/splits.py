@@ -31,7 +31,14 @@ def hash_unit(item_id: str, salt: str = "guarduq-split-v1") -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def split_of(key: str, *, test_fraction: float = 0.3, threshold_fraction: float = 0.3) -> Split:
+# The default shares of the held-out test split and of the threshold (certification) split: the
+# one place every face (calibrate, the policy's review settings, the review page) reads them from.
+TEST_FRACTION = 0.3
+THRESHOLD_FRACTION = 0.3
+
+
+def split_of(key: str, *, test_fraction: float = TEST_FRACTION,
+             threshold_fraction: float = THRESHOLD_FRACTION) -> Split:
     """Deterministic split by id hash.
 
     The calibration split is ``fit`` (the logistic regression) plus ``threshold`` (the risk

@@ -41,6 +41,7 @@ from guarduq.calibration.reviews import (
     uniform_reference,
     weights_summary,
 )
+from guarduq.calibration.splits import TEST_FRACTION, THRESHOLD_FRACTION
 from guarduq.cli._cascade import _cmd_cascade
 from guarduq.cli._certify import allow_uncertified_arg, check_certified, reasons_for
 from guarduq.cli._help import with_example
@@ -58,7 +59,7 @@ from guarduq.cli.calibrate_reviews import review_progress
 from guarduq.errors import CalibrationError, InputError
 
 DEFAULT_ALPHAS = (0.1, 0.2, 0.3)
-DEFAULT_FRACTIONS = {"test_fraction": 0.3, "threshold_fraction": 0.3}
+DEFAULT_FRACTIONS = {"test_fraction": TEST_FRACTION, "threshold_fraction": THRESHOLD_FRACTION}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

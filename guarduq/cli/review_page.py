@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from guarduq.calibration.splits import THRESHOLD_FRACTION
 from guarduq.cli._help import with_example
 from guarduq.cli._keys import api_keys_from_env
 from guarduq.cli.serve import check_bind, review_fraction
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", type=float, default=0.1, help="the certificate's confidence is 1 - delta")
     p.add_argument("--threshold-fraction", type=float,
                    help="share of the uniform labels guarduq calibrate certifies on (default: the "
-                        "--policy's review.threshold_fraction, which calibrate --policy uses too; else 0.3)")
+                        f"--policy's review.threshold_fraction, which calibrate --policy uses too; else {THRESHOLD_FRACTION:g})")
     p.add_argument("--reviewer", default="reviewer", help="name stored with labels when a reviewer gives none")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_review)

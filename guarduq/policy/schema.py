@@ -17,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from guarduq.calibration.splits import TEST_FRACTION, THRESHOLD_FRACTION
 from guarduq.policy.escalation import SinkConfig
 
 # ---------------------------------------------------------------- signals
@@ -289,9 +290,9 @@ class ReviewSettings(_Strict):
     bands: list[RiskBand] = Field(default_factory=list)
     # How `guarduq calibrate --dataset reviews --policy FILE` splits the uniform labels, and so how
     # many the review page's progress line says the alpha needs: one setting for both.
-    threshold_fraction: float = Field(0.3, gt=0, lt=1, description="share of the uniform labels the "
+    threshold_fraction: float = Field(THRESHOLD_FRACTION, gt=0, lt=1, description="share of the uniform labels the "
                                       "certificate rests on (calibrate's threshold split)")
-    test_fraction: float = Field(0.3, ge=0, lt=1, description="share of the uniform labels held out to "
+    test_fraction: float = Field(TEST_FRACTION, ge=0, lt=1, description="share of the uniform labels held out to "
                                  "measure the calibrator (calibrate's test split)")
 
     @model_validator(mode="after")

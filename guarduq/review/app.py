@@ -27,6 +27,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guarduq._logging import get_logger
+from guarduq.calibration.splits import THRESHOLD_FRACTION
 from guarduq.errors import InputError, StoreError, StoreInputError, UnknownItemError
 from guarduq.review.context import Page, templates
 from guarduq.review.forms import PageError, reviewer_name
@@ -48,7 +49,7 @@ class ReviewPageSettings:
     api_keys: tuple[str, ...] = ()
     alpha: float | None = None
     delta: float = 0.1
-    threshold_fraction: float = 0.3
+    threshold_fraction: float = THRESHOLD_FRACTION
     reviewer_default: str = "reviewer"
     allow_unauthenticated_remote: bool = False  # answer non-loopback clients without a key
     page_size: int = 50

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from guarduq.calibration.sizing import labels_needed
+from guarduq.calibration.splits import THRESHOLD_FRACTION
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Progress:
 
 
 def progress(counts: dict[str, Any], *, alpha: float | None, delta: float,
-             threshold_fraction: float = 0.3) -> Progress:
+             threshold_fraction: float = THRESHOLD_FRACTION) -> Progress:
     """The progress line from ``Store.progress()``'s counts."""
     items, labelled = int(counts.get("items", 0)), int(counts.get("labelled", 0))
     unsure = int(counts.get("unsure", 0))
