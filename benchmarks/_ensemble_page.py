@@ -171,7 +171,12 @@ def _rate_search(res: dict[str, Any]) -> list[str]:
         curve = ", ".join(f"{lr:g} → {nll:.4f}{' ★' if lr == s['chosen'] else ''}{_added(s, lr)}"
                           for lr, nll in s["curve"])
         edge = f" — **still at the grid's {s['at_edge']} edge**" if s["at_edge"] else ""
-        parts.append(f"| {s['family']} | {curve} | {s['extensions']} | {s['chosen']:g}{edge} |")
+        few = f" (**a grid of {len(s['initial'])}: fewer than 3 rates**)" if len(s["initial"]) < 3 else ""
+        parts.append(f"| {s['family']}{few} | {curve} | {s['extensions']} | {s['chosen']:g}{edge} |")
+    searched = {s["family"].split("-")[0] for s in searches}
+    for family, lr in f["chosen_lr"].items():
+        if family not in searched:
+            parts.append(f"| {family} (**one rate given: not selected**) | – | – | {lr:g} |")
     t = f.get("sve_transfer")
     if t:
         parts.append(f"\nSVE's rate is transferred unchanged from {t['from']}: {t['lr']:g} (dev NLL {t['dev_nll']:.4f} "

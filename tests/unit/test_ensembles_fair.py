@@ -112,6 +112,11 @@ def test_quick_run_tunes_every_family_alike_and_reports_equal_members(tmp_path: 
     assert vs["reference"] not in [n for n, _ in vs["rows"]] and len(vs["rows"]) >= 8
     page = (tmp_path / "out" / "README.md").read_text()
     assert "learning rate on dev" in page and "tiny-synthetic-dev-curves.png" in page
+    assert "fewer than 3 rates" not in page and "not selected**" not in page
+    one = _quick(tmp_path, "--sve-parametrisation", "relative", "--lr-lora", "3e-3", "--lr-deep", "1e-3,3e-3")
+    page = (tmp_path / "out" / "README.md").read_text()
+    assert "| lora (**one rate given: not selected**)" in page and "deep-np0.15 (**a grid of 2" in page
+    assert one["tiny:synthetic"]["facts"]["chosen_lr"]["lora"] == 3e-3
     for png in ("paired", "dev-curves", "tradeoff", "reliability"):
         assert (tmp_path / "out" / f"tiny-synthetic-{png}.png").stat().st_size > 0
 
