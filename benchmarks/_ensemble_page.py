@@ -165,7 +165,7 @@ def _rate_search(res: dict[str, Any]) -> list[str]:
     if not searches:
         return []
     parts = ["\nEach family's learning rate on dev (one member each; the grid grows one step past an edge its best "
-             "sits at, at most a bounded number of times):\n",
+             f"sits at, at most {res['args'].get('max_extensions', '?')} times):\n",
              "| family | rate → dev NLL (★ chosen, + added past the edge) | rates added | chosen |\n|---|---|---:|---|"]
     for s in searches:
         curve = ", ".join(f"{lr:g} → {nll:.4f}{' ★' if lr == s['chosen'] else ''}{_added(s, lr)}"
