@@ -21,6 +21,14 @@ Methods (one small subclass each; all share the data order of ``guarduq.sve.trai
   M = 1 with σ_init = 0 is plain singular-value fine-tuning ("one fine-tuned model").
 * ``LoRAMethod``: M independent LoRA adapters (``peft``), each its own initialisation and order.
 * ``DeepMethod``: M independently fine-tuned copies of the same blocks (all their weights).
+  Where a pretrained start is shared there is no random initialisation to vary, so members that
+  differ only by data order are near copies (5-7% pairwise disagreement on the first page). With
+  ``perturb`` = λ > 0 each member first gets its own seeded NoisyTune perturbation (Wu et al.,
+  ACL 2022: every parameter tensor W plus uniform noise on [-λ/2, λ/2] · std(W)), so members start
+  apart as randomly initialised deep-ensemble members do, in each tensor's own units. The harness
+  uses λ = 0.15 (``--deep-perturb``; 0 gives the data-order-only ensemble of the first page).
+  Dropout was the other choice; the blocks here are run in eval mode by every method, and a
+  perturbation changes nothing at prediction time, so it leaves every method's forward alike.
 """
 
 from __future__ import annotations
@@ -544,22 +552,42 @@ class LoRAMethod(_CopiesMethod):
 
 
 class DeepMethod(_CopiesMethod):
-    """Deep ensemble: M copies of the top blocks, every weight fine-tuned, own data order each.
+    """Deep ensemble: M copies of the top blocks, every weight fine-tuned, own data order each,
+    and with ``perturb`` > 0 each its own seeded start (NoisyTune; the module's docstring says why).
 
-    The copies start from the same pretrained weights (there is no random init to vary), so they
-    differ by their data orders, as fine-tuned LLM deep ensembles do.
-    """
+    Member m's perturbation is seeded by m alone, so member 0 of an M=8 ensemble is the M=1 model
+    and its first four members are the M=4 ensemble."""
 
     family = "deep ensemble"
+
+    def __init__(self, members: int, lr: float, *, perturb: float = 0.0, seed: int = 0,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(members, lr, seed=seed, weight_decay=weight_decay)
+        self.perturb = perturb
 
     @property
     def name(self) -> str:
         return "full fine-tune (M=1)" if self.members == 1 else f"deep ensemble M={self.members}"
 
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "perturb": self.perturb}
+
     def _member(self, top: Top, m: int) -> nn.ModuleList:
         blocks = nn.ModuleList(copy.deepcopy(top.frozen_blocks()))
+        if self.perturb > 0:
+            noisy_start(blocks, self.perturb, torch.Generator().manual_seed(self.seed * 1_000_003 + m))
         blocks.requires_grad_(True)
         return blocks
+
+
+def noisy_start(module: nn.Module, lam: float, gen: torch.Generator) -> None:
+    """NoisyTune: each parameter tensor W += U(-λ/2, λ/2) · std(W), in place (tensors of one value,
+    with no spread to scale by, are left alone)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.numel() > 1:
+                noise = torch.rand(p.shape, generator=gen, dtype=torch.float64) - 0.5
+                p.add_((noise * lam * float(p.double().std())).to(p.dtype))
 
 
 FAMILIES: dict[str, Callable[..., Method]] = {"sve": SVEMethod, "lora": LoRAMethod, "deep": DeepMethod}

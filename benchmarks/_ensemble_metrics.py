@@ -1,9 +1,8 @@
 """The ensemble harness's measurements: metrics with bootstrap intervals, temperature scaling,
-and the page's plots. Everything works on class probabilities [n, C] and member log-probs [M, n, C]."""
+and each member's training loss (the page's plots are ``_ensemble_plots``). Everything works on class probabilities [n, C] and member log-probs [M, n, C]."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -154,7 +153,7 @@ def diversity(member_logp: np.ndarray) -> dict[str, float]:
     }
 
 
-# --------------------------------------------------------------------------- plots
+# --------------------------------------------------------------------------- training loss
 
 
 def loss_ends(fit: dict[str, Any], members: int | None = None) -> dict[str, Any] | None:
@@ -182,57 +181,3 @@ def loss_cell(ends: dict[str, Any] | None) -> str:
         return f"{pairs[0]} (mean over all the run's members: this run kept no per-member losses)"
     falls = sum(b < a for a, b in zip(ends["first"], ends["last"], strict=True))
     return f"{', '.join(pairs)} ({falls}/{len(pairs)} fall)"
-
-
-def plot_reliability(rows: list[tuple[str, list[dict[str, float]], float]], path: Path, title: str) -> None:
-    """One reliability diagram per method (name, ``reliability_bins``, ECE): accuracy per bin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = 4
-    nrows = -(-len(rows) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 3.2 * nrows), squeeze=False)
-    for ax, (name, bins, ece) in zip(axes.ravel(), rows, strict=False):
-        lefts = [b["lo"] for b in bins]
-        ax.bar(lefts, [b["accuracy"] for b in bins], width=1 / ECE_BINS, align="edge", alpha=0.6,
-               edgecolor="k")
-        ax.plot([b["confidence"] for b in bins], [b["confidence"] for b in bins], "r.", ms=4)
-        for b in bins:
-            ax.annotate(str(b["count"]), (b["lo"] + 0.5 / ECE_BINS, 0.02), fontsize=5, ha="center", rotation=90)
-        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-        ax.set_title(f"{name}\nECE {ece:.3f}", fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.tick_params(labelsize=7)
-    for ax in axes.ravel()[len(rows):]:
-        ax.axis("off")
-    fig.suptitle(f"{title} (bars: accuracy per confidence bin, with its count; red: mean confidence)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_tradeoff(points: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Accuracy and ECE against stored extra parameters (log scale), one point per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, label in ((axes[0], "accuracy", "accuracy"), (axes[1], "ece", "ECE")):
-        for p in points:
-            x = max(p["stored"], 1)
-            mid, lo, hi = p[key]
-            ax.errorbar([x], [mid], yerr=[[mid - lo], [hi - mid]], fmt="o", capsize=3)
-            ax.annotate(p["name"], (x, mid), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("stored parameters beyond the pretrained model (1 = none)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

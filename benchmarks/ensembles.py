@@ -8,18 +8,27 @@ cached frozen-block states (``_ensemble_methods``). Per cell, in order (each sta
 ``--work`` and skipped when rerun, so an interrupted run resumes):
 
 1. encode: one full forward per item, keeping the states entering block L-N and the base answer;
-2. select: learning rate of each family from a grid (one member each, dev NLL), then SVE's
-   σ_init from a grid (M = 4 at the chosen rate, dev NLL of the mean);
-3. final: SVE with ``--sve-members`` members (M = 4 and 8 are its first members), LoRA-Ensemble
-   and the deep ensemble with ``--members``; every method also with a temperature fitted on dev;
+2. select: the learning rate of every family alike (``_ensemble_select``): one member per rate,
+   dev NLL; a best at the grid's edge grows the grid one step past it (``--max-extensions``),
+   and a rate still at the edge is marked on the page. ``--sve-transfer-from CELL`` trains SVE at
+   the rate chosen on CELL's dev instead, unchanged, while this cell's own SVE grid still runs
+   (the page shows both rates' dev NLL). Then SVE's σ_init from a grid (M = 4 at its rate);
+3. final: every family trains its M members once (``--sve-members``, ``--members``); its first m
+   members are the M=m rows for each m of ``--report-m`` (4 and 8), paired on the same test
+   items (``_ensemble_report``). Deep-ensemble members start apart by a seeded NoisyTune
+   perturbation (``--deep-perturb``, ``_ensemble_methods.DeepMethod``). Every method also with a
+   temperature fitted on dev;
 4. report: accuracy, ECE (+ noise floor), NLL, Brier, misclassification AUROC of predictive
    entropy and mutual information, OOD AUROC, parameters, time, peak memory; 95% bootstrap
-   intervals; reliability diagrams and the accuracy / ECE / parameters chart.
+   intervals; each method minus the best baseline, paired; reliability diagrams, the accuracy /
+   ECE / parameters chart, the dev curves (``_ensemble_page``, ``_ensemble_plots``).
 
 Every fit records each member's own loss per step; the page shows each member's first and last
-training loss (a baseline whose loss does not fall has not been tuned). ``--sve-parametrisation
-relative`` trains SVE scale-free (Σ ⊙ exp(δ), biases b₀ + s·β; ``guarduq.sve.SVELinear``); the
-default stays raw, the parametrisation of the results on the page and of the Makefile's rates.
+training loss and names any member whose loss did not fall (it has not been tuned).
+``--sve-parametrisation relative`` trains SVE scale-free (Σ ⊙ exp(δ), biases b₀ + s·β;
+``guarduq.sve.SVELinear``); the default stays raw, the parametrisation of the first page's
+results. The Qwen cells run only where ``make model-qwen-0.5b`` / ``-1.5b`` provisioned the model
+(otherwise they are skipped with that message).
 
     .venv/bin/python benchmarks/ensembles.py                       # every cell (hours)
     .venv/bin/python benchmarks/ensembles.py --cells smollm2:arc   # one cell
@@ -46,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _ensemble_methods import (  # noqa: E402
     FAMILIES,
+    DeepMethod,
     Encoded,
     Example,
     Method,
@@ -58,29 +68,21 @@ from _ensemble_methods import (  # noqa: E402
     read_items,
     sample,
 )
-from _ensemble_metrics import (  # noqa: E402
-    apply_temperature,
-    diversity,
-    evaluate,
-    fit_temperature,
-    loss_cell,
-    loss_ends,
-    mutual_information,
-    paired_diff,
-    plot_reliability,
-    plot_tradeoff,
-)
-from _ensemble_page import fmt, goals  # noqa: E402
-from _pages import write_page  # noqa: E402
+from _ensemble_metrics import loss_ends  # noqa: E402
+from _ensemble_page import render  # noqa: E402
+from _ensemble_report import first_member, report_cell  # noqa: E402
+from _ensemble_select import MAX_EXTENSIONS, search_rate, transferred_rate  # noqa: E402
 
-from guarduq.calibration import reliability_bins  # noqa: E402
 from guarduq.calibration.datasets import default_data_dir  # noqa: E402
 from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2  # noqa: E402
-from guarduq.models import cache_root, fingerprint, load_model  # noqa: E402
+from guarduq.errors import ModelNotFoundError  # noqa: E402
+from guarduq.models import cache_root, fingerprint, load_model, resolve_alias  # noqa: E402
 from guarduq.sve import LLAMA_TARGETS  # noqa: E402
 
-CELLS = ("smollm2:arc", "gemma:arc", "smollm2:sst2", "smollm2:csqa")
-MODELS = {"smollm2": "smollm2-135m-instruct", "gemma": "gemma-3-270m"}
+CELLS = ("smollm2:arc", "gemma:arc", "smollm2:sst2", "smollm2:csqa", "qwen05:arc", "qwen15:arc")
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma": "gemma-3-270m",
+          "qwen05": "qwen2.5-coder-0.5b-instruct", "qwen15": "qwen2.5-coder-1.5b-instruct"}
+PROVISIONED_ELSEWHERE = ("qwen05", "qwen15")  # chunked aliases: provisioned by make model-qwen-*, often absent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +93,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per member, every method")
     p.add_argument("--batch", type=int, default=8, help="items per member per step")
     p.add_argument("--sve-members", type=int, default=16)
-    p.add_argument("--members", type=int, default=4, help="LoRA-Ensemble and deep ensemble size")
+    p.add_argument("--members", type=int, default=8,
+                   help="LoRA-Ensemble and deep ensemble size (their first --report-m members are reported too)")
+    p.add_argument("--report-m", default="4,8",
+                   help="ensemble sizes reported for every family: each family's first m members, for each m "
+                        "below its own size (paired rows at equal M)")
+    p.add_argument("--deep-perturb", type=float, default=0.15,
+                   help="NoisyTune λ of each deep-ensemble member's own seeded start (W + U(-λ/2, λ/2)·std(W)); "
+                        "0: members differ by data order only, as on the first page")
+    p.add_argument("--max-extensions", type=int, default=MAX_EXTENSIONS,
+                   help="times a rate grid grows by one step past the edge its best dev NLL sits at")
+    p.add_argument("--sve-transfer-from", default=None, metavar="CELL",
+                   help="train SVE's ensembles at the rate chosen on CELL's dev (read from <out>/results.json, "
+                        "same SVE parametrisation); this cell's own SVE grid still runs at one member, shown beside. "
+                        "CELL itself, run first in the same --cells, chooses its own")
     p.add_argument("--lr-sve", default="1e-3,3e-3,1e-2,3e-2,1e-1")
     p.add_argument("--lr-lora", default="1e-4,3e-4,1e-3,3e-3")
     p.add_argument("--lr-deep", default="1e-5,3e-5,1e-4")
@@ -277,48 +292,65 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
         enc["test"] = enc["test"].subset(sorted(random.Random(0).sample(range(len(enc["test"])), args.test_n)))
     eval_splits = ("dev", "test", "ood") if "ood" in enc else ("dev", "test")
     settings_key = f"n{args.last_n_blocks}-s{args.steps}-b{args.batch}{'-bf16' if args.bf16 else ''}"
+    sve_kind, sve_tag = sve_options(args)
+    tags = {"sve": sve_tag, "lora": "", "deep": f"-np{args.deep_perturb:g}" if args.deep_perturb else ""}
+
+    def make(family: str, members: int, lr: float, sigma: float = 0.0) -> Method:
+        if family == "sve":
+            return SVEMethod(members, lr, sigma_init=sigma, **sve_kind)
+        if family == "deep":
+            return DeepMethod(members, lr, perturb=args.deep_perturb)
+        return FAMILIES[family](members, lr)
 
     # ---- selection on dev: each family's learning rate (one member), then SVE's sigma_init
     grids = {"sve": floats(args.lr_sve), "lora": floats(args.lr_lora), "deep": floats(args.lr_deep)}
-    sve_kind, tag = sve_options(args)
-
-    def sve(members: int, lr: float, sigma: float) -> SVEMethod:
-        return SVEMethod(members, lr, sigma_init=sigma, **sve_kind)
-
+    transfer = None  # the source cell itself (first in a run of several) chooses its own
+    if args.sve_transfer_from and args.sve_transfer_from != cell:
+        transfer = transferred_rate(args.out / "results.json", args.sve_transfer_from, sve_kind)
     chosen: dict[str, float] = {}
     selection: list[dict[str, Any]] = []
+    searches: dict[str, dict[str, Any]] = {}
     singles: dict[str, tuple[dict[str, np.ndarray], dict[str, Any]]] = {}
     labels = {s: e.labels for s, e in enc.items()}
+    trained: dict[tuple[str, float], Method] = {}
+
+    def score(family: str, lr: float) -> float:
+        """One member at ``lr``, scored by its dev NLL (dev predictions only: test and OOD for the
+        chosen rate alone)."""
+        method = trained[family, lr] = make(family, 1, lr)
+        arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}{tags[family]}",
+                                  lambda: train_and_predict(method, top, enc, args, ("dev",)))
+        dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
+        dev_acc = float((arrays["dev"][0].argmax(1) == labels["dev"]).mean())
+        selection.append({"family": family + tags[family], "lr": lr, "dev_nll": dev_nll, "dev_accuracy": dev_acc,
+                          "train_loss": loss_ends(info.get("fit", {}))})
+        return dev_nll
+
     for family, grid in grids.items():
         if family != "sve" and len(grid) == 1:  # one rate: nothing to select; M=1 is the ensemble's member 0
             chosen[family] = grid[0]
             continue
-        best, trained = None, {}
-        for lr in grid:  # dev predictions only: test and OOD for the chosen rate alone
-            method = trained[lr] = sve(1, lr, 0.0) if family == "sve" else FAMILIES[family](1, lr)
-            arrays, info = stages.run(f"{settings_key}-select-{family}-m1-lr{lr:g}{tag if family == 'sve' else ''}",
-                                      lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
-            dev_nll = float(-arrays["dev"][0][np.arange(len(labels["dev"])), labels["dev"]].mean())
-            dev_acc = float((arrays["dev"][0].argmax(1) == labels["dev"]).mean())
-            selection.append({"family": family + (tag if family == "sve" else ""), "lr": lr, "dev_nll": dev_nll, "dev_accuracy": dev_acc,
-                              "train_loss": loss_ends(info.get("fit", {}))})
-            if best is None or dev_nll < best[0]:
-                best = (dev_nll, lr)
+        search = search_rate(family + tags[family], grid, lambda lr, f=family: score(f, lr),
+                             max_extensions=args.max_extensions)
+        if family == "sve" and transfer is not None:  # the transferred rate, and this cell's own best beside it
+            searches["sve_transfer"] = {"from": args.sve_transfer_from,
+                                        **search.transfer(transfer, lambda lr: score("sve", lr))}
+        searches[family] = search.to_json()
         if args.select_only:
             continue
-        chosen[family] = lr = best[1]
-        method = trained[lr]  # trained above, or (a resumed run) trained again: seeded, the same model
+        chosen[family] = lr = search.chosen
+        method = trained[family, lr]  # trained above, or (a resumed run) trained again: seeded, the same model
         singles[family] = stages.run(
-            f"{settings_key}-{family}-m1-lr{lr:g}{tag if family == 'sve' else ''}",
+            f"{settings_key}-{family}-m1-lr{lr:g}{tags[family]}",
             lambda m=method: predict_only(m, top, enc, eval_splits, args.bf16) if m.fitted_ is not None
             else train_and_predict(m, top, enc, args, eval_splits))
     if args.select_only:
-        return {"selection_only": selection}
+        return {"selection_only": selection, "rate_search_only": searches}
     sigma_nll: dict[float, float] = {}
     sigmas = floats(args.sigma_grid)
     for sigma in sigmas if len(sigmas) > 1 else ():  # one value: nothing to select, no M=4 fit
-        method = sve(4, chosen["sve"], sigma)
-        arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}{tag}",
+        method = make("sve", 4, chosen["sve"], sigma)
+        arrays, info = stages.run(f"{settings_key}-select-sve-m4-lr{chosen['sve']:g}-s{sigma:g}{sve_tag}",
                                   lambda m=method: train_and_predict(m, top, enc, args, ("dev",)))
         probs = np.exp(arrays["dev"]).mean(0)
         sigma_nll[sigma] = float(-np.log(np.clip(probs[np.arange(len(labels["dev"])), labels["dev"]],
@@ -326,30 +358,26 @@ def run_cell(cell: str, args: argparse.Namespace) -> dict[str, Any]:
         selection.append({"family": "sve-sigma", "sigma_init": sigma, "members": 4, "dev_nll": sigma_nll[sigma]})
     sigma = min(sigma_nll, key=sigma_nll.__getitem__) if sigma_nll else sigmas[0]
 
-    # ---- final ensembles
-    finals = {
-        "sve": stages.run(f"{settings_key}-sve-m{args.sve_members}-lr{chosen['sve']:g}-s{sigma:g}{tag}",
-                          lambda: train_and_predict(sve(args.sve_members, chosen["sve"], sigma),
-                                                    top, enc, args, eval_splits)),
-        "lora": stages.run(f"{settings_key}-lora-m{args.members}-lr{chosen['lora']:g}",
-                           lambda: train_and_predict(FAMILIES["lora"](args.members, chosen["lora"]),
-                                                     top, enc, args, eval_splits)),
-        "deep": stages.run(f"{settings_key}-deep-m{args.members}-lr{chosen['deep']:g}",
-                           lambda: train_and_predict(FAMILIES["deep"](args.members, chosen["deep"]),
-                                                     top, enc, args, eval_splits)),
-    }
+    # ---- final ensembles: every family's M members once (its first m are the M=m rows)
+    sizes = {"sve": args.sve_members, "lora": args.members, "deep": args.members}
+    finals = {family: stages.run(
+        f"{settings_key}-{family}-m{m}-lr{chosen[family]:g}" + (f"-s{sigma:g}" if family == "sve" else "") + tags[family],
+        lambda f=family, m=m: train_and_predict(make(f, m, chosen[f], sigma), top, enc, args, eval_splits))
+        for family, m in sizes.items()}
     also = args.sve_lr_also_members or args.sve_members
     for lr in floats(args.sve_lr_also):  # sensitivity: the final SVE at another rate, reported beside it
         if lr != chosen["sve"] or also != args.sve_members:
             finals[f"sve-lr{lr:g}"] = stages.run(
-                f"{settings_key}-sve-m{also}-lr{lr:g}-s{sigma:g}{tag}",
-                lambda lr=lr: train_and_predict(sve(also, lr, sigma), top, enc, args, eval_splits))
+                f"{settings_key}-sve-m{also}-lr{lr:g}-s{sigma:g}{sve_tag}",
+                lambda lr=lr: train_and_predict(make("sve", also, lr, sigma), top, enc, args, eval_splits))
     for family in ("lora", "deep"):
         singles.setdefault(family, first_member(*finals[family]))
     base_params = sum(p.numel() for p in model.parameters())
     return report_cell(cell, task, enc, labels, singles, finals, args, {
         "k": k, "blocks": n_blocks, "base_params": base_params, "chosen_lr": chosen, "sigma_init": sigma,
-        "sve_parametrisation": sve_kind,
+        "sve_parametrisation": sve_kind, "deep_perturb": args.deep_perturb,
+        "rate_search": [searches[f] for f in grids if f in searches],
+        **({"sve_transfer": searches["sve_transfer"]} if "sve_transfer" in searches else {}),
         "median_singular_value": median_singular_value(top),
         "selection": selection, "encode_seconds_per_item": {s: e.seconds / max(len(e), 1) for s, e in enc.items()},
         "sizes": {s: len(e) for s, e in enc.items()},
@@ -368,194 +396,25 @@ def median_singular_value(top: Top) -> float:
     return float(np.median(torch.cat(values).numpy())) if values else float("nan")
 
 
-def _subset(arrays: dict[str, np.ndarray], m: int) -> dict[str, np.ndarray]:
-    return {s: a[:m] for s, a in arrays.items()}
-
-
-def first_member(arrays: dict[str, np.ndarray], info: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Member 0 of a LoRA or deep ensemble as its one-member row.
-
-    Members of those methods are separate copies, each with its own loss, clipping and data order
-    (seeded by its index), so member 0 is the model an M=1 run trains (``test_ensembles_bench``
-    checks it). Its costs are the ensemble's divided by M."""
-    m = next(iter(arrays.values())).shape[0]
-    fit = {**info.get("fit", {})}
-    if fit.get("seconds") is not None:
-        fit["seconds"] /= m
-    return _subset(arrays, 1), {
-        **info, "fit": fit, "stored": info["stored"] // m,
-        "seconds_per_item": {s: v / m for s, v in info.get("seconds_per_item", {}).items()},
-        "settings": {**info.get("settings", {}), "members": 1, "from": f"member 0 of the M={m} ensemble"}}
-
-
-def report_cell(cell: str, task: Task, enc: dict[str, Encoded], labels: dict[str, np.ndarray],
-                singles: dict[str, Any], finals: dict[str, Any], args: argparse.Namespace,
-                facts: dict[str, Any]) -> dict[str, Any]:
-    """Every method's metrics on test (and OOD), with and without a temperature fitted on dev."""
-    has_ood = "ood" in enc
-    base_logp = {s: torch.log_softmax(e.base_logits, -1).numpy()[None] for s, e in enc.items()}
-    methods: list[tuple[str, dict[str, np.ndarray], dict[str, Any]]] = [
-        ("base", base_logp, {"stored": 0, "trainable_per_member": 0}),
-        ("fine-tuned (SVE M=1)", *singles["sve"]),
-        ("LoRA (M=1)", *singles["lora"]),
-        ("full fine-tune (M=1)", *singles["deep"]),
-    ]
-    sve_arrays, sve_info = finals["sve"]
-    for m in sorted({4, 8, args.sve_members}):
-        if m <= args.sve_members:
-            info = {**sve_info, "stored": sve_info["stored"] * m // args.sve_members}
-            methods.append((f"SVE M={m}", _subset(sve_arrays, m), info))
-    methods.append((f"LoRA-Ensemble M={args.members}", *finals["lora"]))
-    methods.append((f"deep ensemble M={args.members}", *finals["deep"]))
-    for key, (arrays, info) in finals.items():
-        if key.startswith("sve-lr"):
-            methods.append((f"SVE M={arrays['test'].shape[0]}, lr {key.removeprefix('sve-lr')}", arrays, info))
-
-    rows, probs_test = [], {}
-    for name, arrays, info in methods:
-        for ts in (False, True):
-            dev = np.exp(arrays["dev"]).mean(0)
-            t = fit_temperature(dev, labels["dev"]) if ts else 1.0
-            test = apply_temperature(np.exp(arrays["test"]).mean(0), t)
-            members = arrays["test"].shape[0]
-            mi = mutual_information(arrays["test"]) if members > 1 else None
-            ood = ood_mi = None
-            if has_ood:
-                ood = apply_temperature(np.exp(arrays["ood"]).mean(0), t)
-                ood_mi = mutual_information(arrays["ood"]) if members > 1 else None
-            label = f"{name} + TS" if ts else name
-            metrics = evaluate(test, labels["test"], mi=mi, ood_probs=ood, ood_mi=ood_mi)
-            probs_test[label] = test
-            conf, correct = test.max(1), (test.argmax(1) == labels["test"]).astype(float)
-            fit = info.get("fit", {})
-            rows.append({
-                "name": label, "members": members, "temperature": t, **metrics,
-                "stored": info["stored"] + (1 if ts else 0),
-                "trainable_per_member": info["trainable_per_member"],
-                "train_seconds": fit.get("seconds"), "peak_rss_mb": fit.get("peak_rss_mb"),
-                "seconds_per_item": info.get("seconds_per_item", {}).get("test"),
-                "diversity": diversity(arrays["test"]), "settings": info.get("settings"),
-                "reliability": reliability_bins(conf, correct),
-                "history": fit.get("history"), "train_loss": loss_ends(fit, members),
-            })
-    # SVE diagnostics: averaging the members in log space instead of probability space
-    logit_mean = np.exp(sve_arrays["test"].mean(0))
-    logit_mean /= logit_mean.sum(1, keepdims=True)
-    diag = {"logit_space_mean": evaluate(logit_mean, labels["test"])}
-    sve_name, lora_name, deep_name = f"SVE M={args.sve_members}", f"LoRA-Ensemble M={args.members}", \
-        f"deep ensemble M={args.members}"
-    paired = {}
-    for other in (lora_name, deep_name, "base"):
-        for metric in ("ece", "accuracy", "nll"):
-            paired[f"{sve_name} - {other}: {metric}"] = paired_diff(
-                probs_test[sve_name], probs_test[other], labels["test"], metric)
-    for other in (n for n, _, _ in methods if n.startswith("SVE M=") and ", lr " in n):  # sensitivity rows
-        for ref in (sve_name, lora_name, deep_name):
-            for metric in ("ece", "accuracy", "nll"):
-                paired[f"{other} - {ref}: {metric}"] = paired_diff(
-                    probs_test[other], probs_test[ref], labels["test"], metric)
-    return {"cell": cell, "task": task.name, "ood": task.ood_name, "facts": facts, "methods": rows,
-            "sve_diagnostics": diag, "paired": paired, "args": {k: str(v) for k, v in vars(args).items()}}
-
-
-# --------------------------------------------------------------------------- page
-
-
-def render(results: dict[str, Any], out: Path) -> None:
-    parts = []
-    for cell, res in results.items():
-        if "facts" not in res:  # a rate check only, so far
-            continue
-        f = res["facts"]
-        parts.append(f"## {cell}\n")
-        parts.append("Goals of issue 24 on this cell:\n")
-        parts += goals(res)
-        parts.append("")
-        parts.append(
-            f"- n: {f['sizes']}; blocks trained: the last {f['blocks'] - f['k']} of {f['blocks']} (every method); "
-            f"chosen learning rates {f['chosen_lr']}, SVE σ_init {f['sigma_init']}; SVE parametrisation "
-            f"{'/'.join(f.get('sve_parametrisation', {'parametrisation': 'raw', 'bias': 'raw'}).values())} "
-            "(Σ/bias: raw = in their own units; relative = Σ ⊙ exp(δ); scaled = b₀ + s·β)."
-        )
-        if f.get("median_singular_value") is not None:
-            parts.append(f"- Median singular value of the trained blocks' targeted matrices: "
-                         f"{f['median_singular_value']:.2f} (SVE's step relative to Σ is about lr / Σ).")
-        if res.get("ood"):
-            parts.append(f"- OOD items: {res['ood']}.")
-        for r in res["methods"]:
-            if (r.get("settings") or {}).get("from") and not r["name"].endswith("+ TS"):
-                parts.append(f"- {r['name']}: {r['settings']['from']} (its one rate was not selected on dev; "
-                             "train seconds and ms/item are the ensemble's divided by M).")
-        enc = f["encode_seconds_per_item"]
-        parts.append(f"- Frozen blocks, once per item: {max(enc.values()):.3f} s/item (cached states).\n")
-        parts.append("| method | M | accuracy | ECE (floor) | NLL | Brier | AUROC entropy | AUROC MI | "
-                     "OOD AUROC entropy | OOD AUROC MI | stored params | % of model | train s | "
-                     "infer ms/item | peak RSS MB |")
-        parts.append("|---|---:|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
-        for r in res["methods"]:
-            pct = 100 * r["stored"] / f["base_params"]
-            parts.append(
-                f"| {r['name']} | {r['members']} | {fmt(r['accuracy'])} | {fmt(r['ece'])} ({r['ece_floor'][0]:.3f}) "
-                f"| {fmt(r['nll'])} | {fmt(r['brier'])} | {fmt(r.get('auroc_entropy'))} | {fmt(r.get('auroc_mi'))} "
-                f"| {fmt(r.get('ood_auroc_entropy'))} | {fmt(r.get('ood_auroc_mi'))} | {r['stored']:,} | {pct:.3f} "
-                f"| {r['train_seconds'] or 0:.0f} | {1000 * (r['seconds_per_item'] or 0):.1f} "
-                f"| {r['peak_rss_mb'] or 0:.0f} |"
-            )
-        parts.append("\nPaired bootstrap differences on the same test items:\n")
-        parts.append("| difference | value [95%] |\n|---|---|")
-        parts += [f"| {k} | {fmt(v)} |" for k, v in res["paired"].items()]
-        parts.append("\nMember diversity on test, and the temperature each ensemble's mean got on dev:\n")
-        parts.append("| method | pairwise disagreement | mean MI (nats) | dev temperature |\n|---|---:|---:|---:|")
-        ts = {r["name"].removesuffix(" + TS"): r["temperature"] for r in res["methods"] if r["name"].endswith("+ TS")}
-        for r in res["methods"]:
-            if r["members"] > 1 and not r["name"].endswith("+ TS"):
-                d = r["diversity"]
-                parts.append(f"| {r['name']} | {d['pairwise_disagreement']:.3f} | {d['mean_mi']:.4f} "
-                             f"| {ts.get(r['name'], float('nan')):.2f} |")
-        parts.append("\nTraining loss of each member, first → last (each the mean of w steps; a member whose loss "
-                     "does not fall has not been tuned):\n")
-        parts.append("| method | w | per member |\n|---|---:|---|")
-        for r in res["methods"]:
-            if not r["name"].endswith("+ TS") and r["name"] != "base":
-                ends = r.get("train_loss") or loss_ends({"history": r.get("history")})  # older results: mean
-                parts.append(f"| {r['name']} | {ends['window'] if ends else '–'} | {loss_cell(ends)} |")
-        logit = res["sve_diagnostics"]["logit_space_mean"]
-        sve_row = next(r for r in res["methods"] if r["name"] == f"SVE M={res['args'].get('sve_members', '16')}")
-        parts.append(f"\nAveraging SVE's members in log space instead (renormalised geometric mean): "
-                     f"ECE {fmt(logit['ece'])}, NLL {fmt(logit['nll'])}, accuracy {fmt(logit['accuracy'])} "
-                     f"(probability space: ECE {fmt(sve_row['ece'])}, NLL {fmt(sve_row['nll'])}).")
-        families = [s["family"] for s in f["selection"]]
-        if len(families) == len(set(families)):  # grids of one value each: nothing was chosen here
-            parts.append("\nNo selection on this cell: every grid held one value (dev NLL shown).")
-        parts.append("\nSelection on dev (NLL):\n")
-        parts.append("| family | setting | dev NLL | train loss first → last |\n|---|---|---:|---|")
-        for s in f["selection"]:
-            setting = f"lr {s['lr']:g}" if "lr" in s else f"σ_init {s['sigma_init']:g} (M=4)"
-            parts.append(f"| {s['family']} | {setting} | {s['dev_nll']:.4f} | {loss_cell(s.get('train_loss'))} |")
-        if res.get("selection_only"):
-            parts.append("\nOne member at more rates (`--select-only`: dev fits only, no ensemble):\n")
-            parts.append("| family | lr | dev NLL | dev accuracy | train loss first → last |\n|---|---|---:|---:|---|")
-            for s in sorted(res["selection_only"], key=lambda s: (s["family"], s["lr"])):
-                acc = f"{s['dev_accuracy']:.3f}" if "dev_accuracy" in s else "–"
-                parts.append(f"| {s['family']} | {s['lr']:g} | {s['dev_nll']:.4f} | {acc} "
-                             f"| {loss_cell(s.get('train_loss'))} |")
-        slug = cell.replace(":", "-")
-        parts.append(f"\n![reliability]({slug}-reliability.png)\n\n![tradeoff]({slug}-tradeoff.png)\n")
-        shown = [r for r in res["methods"] if not r["name"].endswith("+ TS") or r["name"] == "base + TS"]
-        plot_reliability([(r["name"], r["reliability"], r["ece"][0]) for r in shown],
-                         out / f"{slug}-reliability.png", f"{cell}: test reliability")
-        plot_tradeoff([{"name": r["name"], "stored": r["stored"], "accuracy": r["accuracy"], "ece": r["ece"]}
-                       for r in res["methods"] if not r["name"].endswith("+ TS")],
-                      out / f"{slug}-tradeoff.png", f"{cell}: accuracy and ECE against stored parameters")
-    write_page(out / "README.md", "\n".join(parts), "SVE against LoRA-Ensemble and deep ensembles")
+def unprovisioned(cell: str) -> str | None:
+    """Why ``cell``'s model cannot load here (a Qwen model not provisioned), else None."""
+    key = cell.split(":")[0]
+    if key not in PROVISIONED_ELSEWHERE:
+        return None
+    try:
+        resolve_alias(MODELS[key])
+    except ModelNotFoundError as exc:
+        return str(exc)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.quick:  # seconds: one setting per grid, few steps, small ensembles
-        args.steps, args.batch, args.sve_members, args.members = 6, 4, 4, 2
+    if args.quick:  # seconds: three rates per family, few steps, small ensembles (M=2 rows: their first 2)
+        args.steps, args.batch, args.sve_members, args.members = 6, 4, 4, 4
         defaults = parse_args([])
-        for name, value in {"lr_sve": "1e-2", "lr_lora": "3e-3", "lr_deep": "1e-3", "sigma_grid": "0.05"}.items():
+        for name, value in {"lr_sve": "3e-3,1e-2,3e-2", "lr_lora": "1e-3,3e-3,1e-2", "lr_deep": "3e-4,1e-3,3e-3",
+                            "sigma_grid": "0.05", "report_m": "2"}.items():
             if getattr(args, name) == getattr(defaults, name):  # a grid given on the command line stays
                 setattr(args, name, value)
     if args.threads:
@@ -567,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = ["tiny:synthetic"] if args.quick else [c.strip() for c in args.cells.split(",") if c.strip()]
         torch.manual_seed(0)
         for cell in cells:
+            if (missing := unprovisioned(cell)) is not None:
+                print(f"ensembles: skipping {cell}: {missing}", file=sys.stderr)
+                continue
             res = run_cell(cell, args)
             # re-read: another run may have finished another cell meanwhile; replace this cell only
             results = json.loads(path.read_text()) if path.is_file() else {}
