@@ -35,11 +35,11 @@ artifacts fall back to): 3.3 times the items per group, so the reference's term 
 is ~1.8 times smaller and an unlucky draw of it is rarer. Why (issue 35): fresh BoolQ windows read
 ``unseen``. Traced in ``benchmarks/drift_trace.py``: today's code reproduces the 308 stored BoolQ
 items (scores and labels, in other batches), the same loader, file, prompt and ``--limit`` order
-pick the fresh items, and nothing but an id hash picks the test share; the 150 fresh items sit at
-a scaled KS of 2.02 (``mean_logprob``) from the 308, a permutation p of about 0.001, while the
-BoolQ calibration items *outside* the test share sit between the two and close to both. No
-mechanism selects either sample: two small samples, each shared by every window that used them
-(every server window shares the one reference, every benchmark window the one fresh pool).
+pick the fresh items, and nothing but an id hash picks the test share. The 150 fresh items sit at
+a scaled KS of 2.02 (``mean_logprob``) from the 308; 140 BoolQ calibration items *outside* the
+test share sit with the fresh ones (1.04), and the 308 apart from all 320 (permutation p ~0.001).
+So the held-out share was an unlucky draw, and every server window shares its reference's draw
+(every benchmark window of a slice, likewise, its one fresh pool's).
 
 Lower layer: numpy only.
 """
