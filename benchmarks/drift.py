@@ -75,8 +75,21 @@ def _features(rec: dict[str, Any]) -> list[float]:
     return out
 
 
-def real_data() -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
-    """The artifact's held-out items as the reference (less half of TruthfulQA), and the fresh pools."""
+def calibration_items(folder: Path | None) -> list[dict[str, Any]]:
+    """Score records (with ``dataset``) of calibration items outside the test share, rescored by
+    ``benchmarks/drift_trace.py --score`` into ``folder`` (``*-rest.jsonl``): what a refitted
+    artifact's ``drift_reference`` adds to a group besides its test items."""
+    from guarduq.calibration.evaluation import ScoreCache
+
+    out: list[dict[str, Any]] = []
+    for path in sorted(glob.glob(str(folder / "*-rest.jsonl"))) if folder else []:
+        out += [{**r.scores, "dataset": r.dataset} for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+    return out
+
+
+def real_data(extend: Path | None = None) -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
+    """The artifact's held-out items as the reference (less half of TruthfulQA; plus the
+    calibration items in ``extend``), and the fresh pools."""
     from guarduq.calibration.calibrator import Calibrator
     from guarduq.calibration.evaluation import ScoreCache
 
@@ -89,8 +102,10 @@ def real_data() -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]
     # evaluation_data keeps no ids; its order is fixed, so the item's index decides the hold-aside
     aside = [r["dataset"] in HELD_ASIDE and hash_unit(f"{r['dataset']}:{i}", "drift-aside") < 0.5
              for i, r in enumerate(recs)]
-    ref = group_reference([r for r, a in zip(recs, aside, strict=True) if not a], FEATURES,
-                          f"{ARTIFACT.name} evaluation_data less half of TruthfulQA")
+    more = calibration_items(extend)
+    extra = "".join(f" plus {k} {g} calibration items outside the test share" for g, k in Counter(r["dataset"] for r in more).items())
+    ref = group_reference([r for r, a in zip(recs, aside, strict=True) if not a] + more, FEATURES,
+                          f"{ARTIFACT.name} evaluation_data less half of TruthfulQA{extra}")
     pools: dict[str, Pool] = {}
     for ds in HELD_ASIDE:
         rows = [r for r, a in zip(recs, aside, strict=True) if a and r["dataset"] == ds]
@@ -106,7 +121,7 @@ def real_data() -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]
                          np.array([1 - r.label for r in items]), np.array([ds] * len(items)))
     info = {"reference": ref.source, "threshold": threshold, "artifact": ARTIFACT.name,
             "fingerprint": art["model"]["fingerprint"],
-            "shipped": group_reference(recs, FEATURES, f"{ARTIFACT.name} evaluation_data (all {n})")}
+            "shipped": group_reference(recs + more, FEATURES, f"{ARTIFACT.name} evaluation_data (all {n}){extra}")}
     return ref, pools, float(threshold), info
 
 
@@ -418,7 +433,7 @@ def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, resul
              *whole_pool_table(info["shipped"], pools), ""]
     for res, s in zip(results, summaries, strict=True):
         t = res["thresholds"]
-        how = "with replacement (pools are smaller than the window)" if res["replace"] else "without replacement"
+        how = "with replacement (a window may repeat items)" if res["replace"] else "without replacement"
         fa = s["per_source"].get("mix", {})
         if not fa:
             continue
@@ -455,13 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=100, help="window drawn without replacement")
     p.add_argument("--count", type=int, default=200)
     p.add_argument("--auroc-floor", type=float, default=0.5)
+    p.add_argument("--extend-reference", type=Path, metavar="DIR",
+                   help="add the calibration items drift_trace.py rescored (DIR/*-rest.jsonl) to the reference")
     args = p.parse_args(argv)
     if args.quick:
         ref, pools, threshold, info = quick_data()
         args.count = min(args.count, 40)
         args.size, args.small = min(args.size, 200), min(args.small, 60)
     else:
-        ref, pools, threshold, info = real_data()
+        ref, pools, threshold, info = real_data(args.extend_reference)
     results = [run(ref, pools, threshold, size=args.size, count=args.count, replace=True),
                run(ref, pools, threshold, size=args.small, count=args.count, replace=False, seed=1),
                run(ref, pools, threshold, size=args.size, count=args.count, replace=False, seed=2)]

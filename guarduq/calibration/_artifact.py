@@ -111,6 +111,7 @@ class Artifact(BaseModel):
     split: dict[str, float] | None = None
     evaluation_data: dict[str, list[Any]] | None = None
     reference: dict[str, list[float]] | None = None  # fit-split quantiles for drift checks
+    drift_reference: dict[str, list[Any]] | None = None  # every calibration item, per dataset (drift_groups)
     cascade: _Cascade | None = None  # set on a cascade's second stage only
 
 

@@ -142,6 +142,7 @@ class Calibrator:
         self.datasets_: list[dict[str, Any]] = []
         self.split_: dict[str, float] | None = None  # how the data was split (test_fraction, ...)
         self.evaluation_: Evaluation | None = None
+        self.drift_reference_: dict[str, list[Any]] | None = None  # every calibration item (drift_groups)
         self.cv_: dict[str, Any] | None = None
         self.groups_: list[str] | None = None
         self.parameter_set_: str = ALL_PARAMETERS
@@ -466,6 +467,7 @@ class Calibrator:
             if include_evaluation_data and self.evaluation_ is not None
             else None,
             "reference": getattr(self, "reference_", None),
+            **({"drift_reference": self.drift_reference_} if self.drift_reference_ else {}),
             **({"cascade": self.cascade_} if self.cascade_ is not None else {}),
         }
         return out
@@ -543,6 +545,7 @@ class Calibrator:
         self.split_ = art.split
         self.created_ = art.created
         self.reference_ = art.reference
+        self.drift_reference_ = art.drift_reference
         self.cascade_ = art.cascade.model_dump() if art.cascade is not None else None
         if art.evaluation_data:
             try:

@@ -17,7 +17,8 @@ score records. Lower layer: numpy only, no torch, nothing above calibration.
 
 PSI levels say *that* the scores moved, not *how*: one slice of the calibration mix (only ARC
 questions) moves them as far as a task the calibrator never saw. When the reference knows each
-item's group (``evaluation_data`` has ``dataset``), the monitor also classifies the window as
+item's group (``drift_reference``, every calibration item, or in older artifacts
+``evaluation_data``, has ``dataset``), the monitor also classifies the window as
 ``ok`` / ``slice:<group>`` / ``unseen`` (:mod:`guarduq.calibration.drift_groups`), with thresholds
 set for a 5% false-alarm rate on in-distribution windows.
 """

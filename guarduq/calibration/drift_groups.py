@@ -4,7 +4,7 @@ A PSI alarm alone cannot tell "the traffic is one slice of what the calibrator w
 (e.g. only ARC questions: the calibrator saw them, its risk is still meaningful) from "the
 traffic is something it never saw" (its risk may rank wrong answers below chance). Both move
 the scores far from the *mix*. What separates them is whether the window is close to one
-calibration *group* (the artifact's ``evaluation_data`` has a ``dataset`` column). So a window is
+calibration *group* (the artifact's ``drift_reference`` has a ``dataset`` column). So a window is
 classified as
 
 * ``ok``: close to the mix;
@@ -18,23 +18,28 @@ Kolmogorov limit), so one threshold per reference serves a window that is still 
 as a full one; the maximum over features makes "close" mean close in every feature.
 
 **The thresholds** (:func:`calibrate`) bound the false-alarm rate *given the stored reference*,
-the rate a server sees: every window it reads is compared with the same few hundred stored items,
-so the reference's own sampling error is shared by all of them. A threshold set for two fresh
-samples (the two-sample null, averaged over references) holds 5% only on average over references;
-for one atypical reference nearly every in-distribution window can cross it. That was BoolQ's
-false ``unseen``: the shipped calibrator stores 308 BoolQ items; 150 fresh ones (hash-random
-items of the same file, like them in passage length and answer balance, and scored by code that
-reproduces the stored items' scores) sit at a scaled KS of 2.02 in ``mean_logprob`` from them,
-in the null's far tail, and 182 of 200 fresh windows of 100 inherited it (31 of 200 with these
-thresholds; the pool as a whole now reads ``slice:boolq``, at 1.00 of its threshold). With ``F`` the population, the reference's
-empirical CDF ``R`` and a window's ``W``, ``sup|W - R| <= sup|W - F| + sup|R - F|``; so the
-threshold (in KS units, then scaled) is the ``1 - false_alarm`` quantile of the window's own
-deviation plus the ``1 - false_alarm`` quantile of the reference's, each estimated by drawing
+the rate a server sees: every window it reads is compared with the same stored items, so the
+reference's own sampling error is shared by all of them. With ``F`` the population, the
+reference's empirical CDF ``R`` and a window's ``W``, ``sup|W - R| <= sup|W - F| + sup|R - F|``;
+so the threshold (in KS units, then scaled) is the ``1 - false_alarm`` quantile of the window's
+own deviation plus the ``1 - false_alarm`` quantile of the reference's, each estimated by drawing
 from the reference (``draws`` bootstrap windows of ``window`` items, and bootstrap references of
 ``m`` items, each against the stored reference). Then, except for a ``false_alarm`` share of
 reference draws, at most ``false_alarm`` of in-distribution windows leave ``ok``/their slice.
 Whole items are drawn, so the features' correlation is kept; measured on synthetic references
 in ``tests/unit/test_drift_cases.py`` and on fresh items in ``docs/results/drift.md``.
+
+**The reference** is every calibration item with its group (the artifact's ``drift_reference``,
+:func:`reference_data`), not only the held-out test share (``evaluation_data``, which older
+artifacts fall back to): 3.3 times the items per group, so the reference's term of the threshold
+is ~1.8 times smaller and an unlucky draw of it is rarer. Why (issue 35): fresh BoolQ windows read
+``unseen``. Traced in ``benchmarks/drift_trace.py``: today's code reproduces the 308 stored BoolQ
+items (scores and labels, in other batches), the same loader, file, prompt and ``--limit`` order
+pick the fresh items, and nothing but an id hash picks the test share. The 150 fresh items sit at
+a scaled KS of 2.02 (``mean_logprob``) from the 308; 140 BoolQ calibration items *outside* the
+test share sit with the fresh ones (1.04), and the 308 apart from all 320 (permutation p ~0.001).
+So the held-out share was an unlucky draw, and every server window shares its reference's draw
+(every benchmark window of a slice, likewise, its one fresh pool's).
 
 Lower layer: numpy only.
 """
@@ -56,6 +61,8 @@ FALSE_ALARM = 0.05
 DRAWS = 400
 MIN_GROUP = 30  # a group with fewer scored items is too small a reference to call a window close to
 GROUP_KEY = "dataset"
+# what a drift reference stores per item: the raw signals the watched features are computed from
+REFERENCE_FIELDS = ("epistemic", "aleatoric", "mean_logprob", "mean_token_prob")
 
 
 def ks_d(ref_sorted: np.ndarray, live: np.ndarray) -> float:
@@ -135,18 +142,34 @@ def group_reference(records: Sequence[Mapping[str, Any]], features: Sequence[str
     return ref
 
 
+def reference_data(scores: Sequence[Mapping[str, Any]], groups: Sequence[str],
+                   digits: int = 6) -> dict[str, list[Any]]:
+    """Per-item columns (``dataset`` and the raw signals ``REFERENCE_FIELDS``) of *every* calibration
+    item, for the artifact's ``drift_reference``: a group's reference is then all its scored items
+    (BoolQ: 1,000), not only its held-out test share (308), whose own sampling error every live
+    window inherits (module doc)."""
+    if len(scores) != len(groups):
+        raise CalibrationError(f"{len(scores)} score records for {len(groups)} group names")
+    out: dict[str, list[Any]] = {GROUP_KEY: [str(g) for g in groups]}
+    for k in REFERENCE_FIELDS:
+        out[k] = [_rounded(s.get(k), digits) for s in scores]
+    return out
+
+
 def group_reference_from_artifact(artifact: Mapping[str, Any], features: Sequence[str],
                                   source: str = "calibrator") -> GroupReference:
-    """The artifact's ``evaluation_data`` (held-out items with their ``dataset``), restricted to the
-    watched features it can compute (it stores ``epistemic``, ``aleatoric``, ``mean_logprob``...)."""
-    data = artifact.get("evaluation_data") or {}
+    """The artifact's ``drift_reference`` (every calibration item with its ``dataset``; written
+    since issue 35) or, in older artifacts, its ``evaluation_data`` (the held-out test items only),
+    restricted to the watched features it can compute (``epistemic``, ``aleatoric``, ``mean_logprob``...)."""
+    name = "drift_reference" if artifact.get("drift_reference") else "evaluation_data"
+    data = artifact.get(name) or {}
     if not isinstance(data.get(GROUP_KEY), list):
-        raise CalibrationError(f"{source}: evaluation_data has no '{GROUP_KEY}' column")
+        raise CalibrationError(f"{source}: {name} has no '{GROUP_KEY}' column")
     keys = [k for k, v in data.items() if isinstance(v, list)]
     n = len(data[GROUP_KEY])
     records = [{k: data[k][i] for k in keys if i < len(data[k])} for i in range(n)]
     usable = [f for f in features if any(math.isfinite(_feature(r, f)) for r in records[:50])]
-    return group_reference(records, usable, f"{source} evaluation_data (n={n})")
+    return group_reference(records, usable, f"{source} {name} (n={n})")
 
 
 @dataclass(frozen=True)
@@ -280,6 +303,14 @@ def _feature(rec: Mapping[str, Any], f: str) -> float:
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return math.nan
     return v if math.isfinite(v) else math.nan
+
+
+def _rounded(x: Any, digits: int) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return float(f"{v:.{digits}g}") if math.isfinite(v) else None
 
 
 def _r(x: float) -> float | None:

@@ -31,6 +31,7 @@ from guarduq.calibration import (
 from guarduq.calibration.analysis import FEATURE_RULES, available, select_features
 from guarduq.calibration.cascade import DEFAULT_SHARE
 from guarduq.calibration.datasets import DATASETS, PROMPT_STYLES
+from guarduq.calibration.drift_groups import reference_data
 from guarduq.calibration.features import SVE, forward_equivalents
 from guarduq.calibration.reviews import (
     REVIEWS,
@@ -286,6 +287,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         unit="labels of the uniform sample" if reviews else "labelled answers"))
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
+    cal.drift_reference_ = reference_data([r.scores for r in ok], [r.dataset for r in ok])
     summary = summarize(records)
     cal.datasets_ = [
         {

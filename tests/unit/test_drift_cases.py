@@ -17,6 +17,7 @@ from guarduq.calibration.drift_groups import (
     calibrate,
     group_reference,
     group_reference_from_artifact,
+    reference_data,
     scaled_ks,
 )
 from guarduq.cli import main
@@ -208,3 +209,53 @@ def test_false_alarms_stay_near_five_percent_given_the_stored_reference():
         old_bad += far / n_windows > 0.10
     assert new_bad <= 0.1 * n_refs  # given its reference, the new threshold rarely over-alarms
     assert old_bad > new_bad  # the two-sample threshold does, for some references
+
+
+def test_a_group_reference_holds_every_calibration_item_not_only_its_held_out_share():
+    """Issue 35's BoolQ reading, by its cause: the shipped reference was each group's held-out
+    30% (308 BoolQ items), and BoolQ's landed off its population (rescored, they reproduce; the
+    other 70% and fresh items agree with each other), so fresh BoolQ windows read ``unseen``.
+    An artifact's ``drift_reference`` holds every calibration item; the classifier prefers it."""
+    rng = np.random.default_rng(12)
+    items = {g: _records(g, c, 1000, rng) for g, c in CENTRES.items()}
+    held = {g: [rs[i] for i in rng.choice(1000, 300, replace=False)] for g, rs in items.items()}
+    # an atypical held-out share: BoolQ's 300 lowest mean_logprob of 380 random items (KS D ~0.24)
+    some = [items["boolq"][i] for i in rng.choice(1000, 380, replace=False)]
+    held["boolq"] = sorted(some, key=lambda r: r["mean_logprob"])[:300]
+    every = [r for rs in items.values() for r in rs]
+    out = [r for rs in held.values() for r in rs]
+    art = {"features": list(FEATURES),
+           "evaluation_data": {**{k: [r[k] for r in out] for k in ("dataset", *FEATURES[1:], "epistemic")},
+                               "label": [1] * len(out)},
+           "drift_reference": reference_data(every, [r["dataset"] for r in every])}
+    ref = reference_from_artifact(art).grouped
+    assert ref is not None and ref.n == len(every) and "drift_reference" in ref.source
+
+    def reads(artifact: dict) -> list[str]:
+        clf = CaseClassifier(reference_from_artifact(artifact).grouped, window=100, draws=150)
+        wrng = np.random.default_rng(5)  # the same fresh BoolQ windows for both references
+        return [clf.classify(_window(_records("boolq", CENTRES["boolq"], 100, wrng))).label for _ in range(60)]
+
+    assert reads(art).count("slice:boolq") >= 57  # at most 5% misread
+    old = reads({k: v for k, v in art.items() if k != "drift_reference"})  # an artifact from before
+    assert old.count("unseen") > 0.3 * len(old)
+
+
+def test_calibrate_stores_every_usable_item_as_the_drift_reference(tmp_path: Path, tiny_model_dir: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"id": str(i), "prompt": f"p{i}", "response": "r" * (1 + i % 5), "label": int(i % 5 > 1)} for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cal = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "jsonl", "--data", str(data),
+                 "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--out", str(cal), "--json",
+                 "--allow-uncertified"]) == 0
+    sizes = json.loads(capsys.readouterr().out)["split_sizes"]
+    art = json.loads(cal.read_text())
+    drift = art["drift_reference"]
+    assert len(art["evaluation_data"]["label"]) == sizes["test"] < len(drift["dataset"]) == sum(sizes.values()) == 40
+    assert set(drift["dataset"]) == {"jsonl"} and all(len(v) == 40 for v in drift.values())
+    assert all(isinstance(x, float) for x in drift["mean_logprob"])
+    from guarduq.calibration.calibrator import Calibrator
+
+    assert Calibrator.load(cal).to_dict()["drift_reference"] == drift  # survives a load and a save
