@@ -87,14 +87,18 @@ QA_SETS := \
 # - smollm2-135m-instruct.within.json: CAL_WITHIN_FEATURES with directions learned within each
 #   dataset, better inside most single datasets, blind to which kind a question is
 #   (policies/within.yaml).
-# Scoring is cached under runs/cache and resumes (hours on 2 CPU cores from scratch; seconds once
-# `make risk-data` has scored the same items). The alphas cover every shipped policy's `alpha`.
+# Scoring is cached under $(CAL_RUNS)/cache and resumes (about 3 h on one core from scratch;
+# seconds once `make risk-data` has scored the same items). CAL_RUNS=$(SCALE_RUNS) reuses the
+# answers `make risk-data-scale-smollm2` scored (the same hash-ordered items). Refitting also
+# stores every calibration item's drift signals (the drift reference: docs/results/drift.md). The
+# alphas cover every shipped policy's `alpha`.
+CAL_RUNS ?= $${GUARDUQ_RUNS:-runs}
 CAL_LIMIT ?= 1000 truthfulqa-mc=817 truthfulqa-gen=817
 CAL_FEATURES ?= same-pass
 CAL_WITHIN_FEATURES ?= sign-stable
 CAL_ALPHAS ?= 0.2 0.3 0.4 0.5 0.6 0.7
 CAL_ARGS = --model smollm2-135m-instruct $(QA_SETS) $(foreach l,$(CAL_LIMIT),--limit $(l)) \
-	  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1
+	  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --runs-dir $(CAL_RUNS)
 calibrator: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate $(CAL_ARGS) --features $(CAL_FEATURES) \
 	  --out policies/calibrators/smollm2-135m-instruct.json --report docs/calibration/default
