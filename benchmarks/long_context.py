@@ -181,7 +181,7 @@ def memory_child(mode: str, tokens: int, quick: bool, default_set: str | None,
 
 
 def memory_table(lengths: list[int], quick: bool, default_set: str | None,
-                 model: str = "smollm2-135m-instruct") -> list[dict[str, Any]]:
+                 model: str = "smollm2-135m-instruct", modes: tuple[str, ...] = MEMORY_MODES) -> list[dict[str, Any]]:
     """``memory_child`` of every mode at every length, each in its own process (a process's
     allocator keeps what it freed, so peaks measured one after another would hide each other).
     Unchecked all-parameter scoring is skipped at the longest length (it needs gigabytes)."""
@@ -190,8 +190,8 @@ def memory_table(lengths: list[int], quick: bool, default_set: str | None,
     rows = []
     for n in lengths:
         row: dict[str, Any] = {"target": n}
-        runs = [(m, {}) for m in (MMAP_MODES if quick else MEMORY_MODES)]  # quick: the pipeline only
-        runs += [(m, MMAP_ENV) for m in MMAP_MODES]
+        runs = [(m, {}) for m in (MMAP_MODES if quick else modes)]  # quick: the pipeline only
+        runs += [(m, MMAP_ENV) for m in MMAP_MODES] if set(MMAP_MODES) <= set(modes) else []
         for mode, env in runs:
             if mode == "all" and n == max(lengths):
                 continue
@@ -267,8 +267,8 @@ def render(res: dict[str, Any]) -> str:
               "its whole peak, and in brackets what the call added above the loaded model. Generation "
               "makes 20 tokens; scoring covers the prompt and a 20-token answer.", "",
               f"| prompt tokens | no-grad forward | unguarded generation | guarded, `{res['default_set']}` | "
-              "all parameters, checkpointed | ratio to forward | all parameters, not checkpointed | ratio to forward |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "ratio to forward | all parameters, checkpointed | ratio to forward | all parameters, not checkpointed "
+              "| ratio to forward |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r: dict[str, Any], mode: str) -> str:
         m = r.get(mode)
@@ -280,7 +280,7 @@ def render(res: dict[str, Any]) -> str:
 
     for r in res["memory"]:
         lines.append(f"| {r['tokens']:,} | {cell(r, 'forward')} | {cell(r, 'unguarded')} | {cell(r, 'default')} | "
-                     f"{cell(r, 'all_checkpointed')} | {ratio(r, 'all_checkpointed')} | {cell(r, 'all')} | "
+                     f"{ratio(r, 'default')} | {cell(r, 'all_checkpointed')} | {ratio(r, 'all_checkpointed')} | {cell(r, 'all')} | "
                      f"{ratio(r, 'all')} |")
     lines += ["", "The same two calls with glibc's `MALLOC_MMAP_THRESHOLD_=65536` in the environment (freed "
               "activations go back to the system instead of staying in the heap), and the seconds each took:", "",
@@ -294,7 +294,7 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"| {r['tokens']:,} | {cell(r, 'forward+mmap')} | {cell(r, 'all_checkpointed+mmap')} | "
                      f"{c['peak'] / f['peak']:.2f}× | {secs} |")
     lines += ["", "## Scoring cost per parameter set (teacher forcing, scoring / no-grad forward)", ""]
-    names = [k for k in res["scoring"][0] if k not in ("forward_s", "tokens")]
+    names = [k for k in (res["scoring"] or [{}])[0] if k not in ("forward_s", "tokens")]
     lines += ["| tokens | forward | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
     for r in res["scoring"]:
         lines.append(f"| {r['tokens']:,} | {r['forward_s']:.2f} s | "
@@ -327,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--costs-only", action="store_true",
                     help="only the scoring cost per parameter set, into long_context_costs_<model>.json "
                          "(for benchmarks/frontier.py on another model)")
+    ap.add_argument("--parts", default="generation,scoring,memory,profile",
+                    help="comma-separated parts to run (a larger model on a small CPU: generation,memory)")
+    ap.add_argument("--memory-modes", default=",".join(MEMORY_MODES),
+                    help=f"memory children to run, from {','.join(MEMORY_MODES)}")
     ap.add_argument("--all-max-tokens", type=int, default=4000,
                     help="longest prompt for all-parameter guarded generation (memory is still measured)")
     args = ap.parse_args(argv)
@@ -361,18 +365,21 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"long_context_costs_{safe}.json").write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res["scoring"], indent=1))
         return 0
+    parts = set(args.parts.split(","))
     modes["default"].generate(prompts[lengths[0]][0], max_new_tokens=2)  # warm-up
-    jobs = [(n, a) for n in lengths for a in answers]
+    jobs = [(n, a) for n in lengths for a in answers] if "generation" in parts else []
     for n, a in tqdm(jobs, desc="generation"):
         prompt, real = prompts[n]
         res["generation"].append({"prompt_tokens": real, "answer_tokens": a, **generation_cost(
             modes, prompt, a, with_all=n <= args.all_max_tokens, repeats=args.repeats if n <= 4000 else 1)})
-    for n in tqdm(cost_lengths, desc="scoring cost"):
+    for n in tqdm(cost_lengths if "scoring" in parts else [], desc="scoring cost"):
         prompt, real = prompts[n]
         res["scoring"].append({"tokens": real, **scoring_cost(sets, prompt, 20)})
-    res["memory"] = memory_table([n for n in lengths if n >= 1000] or lengths[:1], args.quick, args.default_set,
-                                 args.model)
-    res["profile"] = profile_default(modes["default"], prompts[lengths[-1]][0], answers[0])
+    if "memory" in parts:
+        res["memory"] = memory_table([n for n in lengths if n >= 1000] or lengths[:1], args.quick, args.default_set,
+                                     args.model, tuple(m for m in args.memory_modes.split(",") if m))
+    res["profile"] = (profile_default(modes["default"], prompts[lengths[-1]][0], answers[0])
+                      if "profile" in parts else "(not run: --parts)")
     page = render(res)
     if args.quick:
         print(page)
