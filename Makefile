@@ -179,8 +179,9 @@ scale-cost: model-qwen-1.5b
 	@$(PY) benchmarks/scale_cost.py --model $(SCALE_MODEL) --cache "$(SCALE_RUNS)/cache/$(SCALE_MODEL)/*.jsonl"
 	@$(PY) benchmarks/long_context.py --model $(SCALE_MODEL) --default-set last_n_blocks=2 --lengths 4000 \
 	  --answers 20 --all-max-tokens 0 --repeats 1 $(SCALE_LONG_ARGS) --out docs/results/scale/long_context_$(SCALE_MODEL)
-# The 4k-token part alone, for a short slot (about 30 min on one core): guarded against unguarded
-# generation, and the peak memory of a no-grad forward and of guarded scoring.
+# SCALE_LONG_ARGS="--parts generation,memory --memory-modes forward,default" runs the 4k-token
+# part alone, for a short slot (about 30 min on one core): guarded against unguarded generation,
+# and the peak memory of a no-grad forward and of guarded scoring.
 SCALE_LONG_ARGS ?=
 
 # Issue 24's costly features on the same caches: P(True) and the shipped SVE's second opinion
