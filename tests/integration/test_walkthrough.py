@@ -219,3 +219,10 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     text = reply["choices"][0]["message"]["content"]
     assert reply["guarduq"]["calibrator_sha256"] == new and reply["choices"][0]["finish_reason"] == "content_filter"
     assert "no certified risk threshold" in text and "estimated chance" not in text and "%" not in text
+
+    # A restart on that pair (the same README command as step 2) is refused too: exit 2, saying why.
+    port = str(free_port())
+    out = subprocess.run([GUARDUQ, "serve", "--policy", str(mine / "policy.yaml"), "--port", port],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "--allow-uncertified" in out.stderr and "can never match" in out.stderr, out.stderr[-3000:]
