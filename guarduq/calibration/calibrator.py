@@ -592,4 +592,3 @@ def _parameter_set(s: ScoreLike) -> str:
     """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
     value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
     return str(value) if value else ALL_PARAMETERS
-
