@@ -192,6 +192,7 @@ def test_copies_member_zero_is_the_one_member_model(family: str) -> None:
     assert arrays["test"].shape[0] == 1 and info["stored"] == 5 and info["fit"]["seconds"] == 2.0
 
 
+@pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
     import ensembles
 
@@ -238,6 +239,7 @@ def test_quick_run_reports_every_method_and_resumes(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_quick_run_reports_each_members_losses_and_the_sve_parametrisation(tmp_path: Path) -> None:
     """Every method's row carries each member's first and last training loss (from its own per-step
     losses); --sve-parametrisation relative trains scale-free members under their own stage keys."""

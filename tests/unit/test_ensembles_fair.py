@@ -84,6 +84,7 @@ def _quick(tmp_path: Path, *extra: str) -> dict:
     return json.loads((tmp_path / "out" / "results.json").read_text())
 
 
+@pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_quick_run_tunes_every_family_alike_and_reports_equal_members(tmp_path: Path) -> None:
     res = _quick(tmp_path, "--sve-parametrisation", "relative")["tiny:synthetic"]
     f = res["facts"]
@@ -121,6 +122,7 @@ def test_quick_run_tunes_every_family_alike_and_reports_equal_members(tmp_path: 
         assert (tmp_path / "out" / f"tiny-synthetic-{png}.png").stat().st_size > 0
 
 
+@pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_sve_rate_transfers_unchanged_and_the_cells_own_best_is_shown(tmp_path: Path) -> None:
     import ensembles
 
@@ -153,6 +155,7 @@ def test_sve_rate_transfers_unchanged_and_the_cells_own_best_is_shown(tmp_path: 
     assert own["tiny:synthetic"]["facts"]["chosen_lr"]["sve"] == t["own_best_lr"]
 
 
+@pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_a_page_from_before_issue_33_renders_again(tmp_path: Path) -> None:
     """``--render`` of results written before rate searches, equal members and paired-vs-best."""
     import ensembles
