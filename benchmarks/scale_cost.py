@@ -201,10 +201,10 @@ def linear_kernel(dtype: Any, width: int, rows: int = 128, repeats: int = 3) -> 
 
 
 def write_json(path: Path, res: dict[str, Any]) -> None:
-    """Atomically: an interrupted run leaves the last complete file."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=1) + "\n")
-    os.replace(tmp, path)
+    """Atomically (the library's ``write_atomic``): an interrupted run leaves the last complete file."""
+    from guarduq._storage import write_atomic
+
+    write_atomic(path, (json.dumps(res, indent=1) + "\n").encode())
 
 
 def main(argv: list[str] | None = None) -> int:
