@@ -97,8 +97,9 @@ def check_review_size(
     fractions: Mapping[str, float],
 ) -> None:
     """Refuse, saying how many more labels are needed, when no alpha asked for could be
-    certified from the uniform sample, or when the fit split lacks right or wrong answers
-    (fewer than ``MIN_PER_CLASS`` of either is only warned about, as for any dataset)."""
+    certified from the uniform sample, when the fit split lacks right or wrong answers
+    (fewer than ``MIN_PER_CLASS`` of either is only warned about, as for any dataset), or when
+    the hash split left the threshold or test split of a small uniform sample empty."""
     fit_wrong = sum(r.label == 0 for r in parts["fit"])
     fit_right = len(parts["fit"]) - fit_wrong
     problems = []
@@ -120,6 +121,14 @@ def check_review_size(
             f"with no errors (observed error rate {rate:.2f}): label about {n - n_uniform} more "
             "replies the uniform draw picked (or raise review.rate)"
         )
+    for name in ("threshold", "test"):
+        if not parts[name]:  # each uniform label lands there by its id hash, with this probability
+            share = fractions[f"{name}_fraction"]
+            problems.append(
+                f"none of the {n_uniform} labels of the uniform sample fell in the '{name}' split "
+                + (f"(each lands there with probability {share:g}): label about {math.ceil(1 / share)} "
+                   "more replies the uniform draw picked" if share > 0 else f"(its {name}_fraction is 0)")
+            )
     if problems:
         raise CalibrationError("too few reviewed labels to calibrate: " + "; ".join(problems))
 

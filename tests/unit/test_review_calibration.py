@@ -91,6 +91,23 @@ def test_too_few_uniform_labels_are_refused_with_how_many_more(
     assert not (tmp_path / "c.json").exists()
 
 
+def test_an_empty_threshold_split_is_refused_with_how_many_more(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Few uniform labels can leave a split empty by chance (each lands there with probability
+    0.3): a refusal that says so and how many more labels fill it, not a bare "split is empty"."""
+    url, uniform, _ = labelled_store(tmp_path / "s.db", 5, 30)
+    where = [split_of(f"reviews:{i}", **FRACTIONS) for i in uniform]
+    assert "threshold" not in where and "test" in where  # these five ids' hashes (the precondition)
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--dataset", "reviews", "--store", url,
+               "--alpha", "0.6", "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--allow-uncertified",
+               "--out", str(tmp_path / "c.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "none of the 5 labels of the uniform sample fell in the 'threshold' split" in err, err
+    assert "probability 0.3): label about 4 more" in err and "'test' split" not in err
+    assert not (tmp_path / "c.json").exists()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--dataset", "reviews"], "give --store URL"),
     (["--dataset", "reviews", "--store", "STORE", "--data", "x.jsonl"], "stands alone"),
