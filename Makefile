@@ -53,11 +53,15 @@ SERVE_ARGS ?=
 serve: $(STAMP)
 	@$(VENV)/bin/guarduq serve --policy policies/default.yaml $(SERVE_ARGS)
 
+# Two pytest-xdist workers, a test file each at a time (module fixtures load once; slow files go
+# first): about 1.5x faster than one process on 2 cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP)
-	@$(PY) -m pytest -q -m "not bench" $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not bench" $(XDIST) $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
-	@$(PY) -m pytest -q -m "not integration and not bench" $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -m "not integration and not bench" $(XDIST) $(PYTEST_ARGS)
 
 # The benchmark scripts run end to end in quick mode (store load with server subprocesses, long
 # prompts, hot reload under load): about 4 minutes on 2 cores, kept out of `make test`.

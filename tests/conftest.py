@@ -34,6 +34,11 @@ settings.register_profile("ci", derandomize=True, **_COMMON)  # derandomize also
 settings.register_profile("fuzz", **_COMMON)  # random, and failures are saved in .hypothesis/ and replayed
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist (`make test` runs two workers) the workers share the cores: torch's intra-op
+# pool would otherwise give each worker one thread per core and oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -143,6 +148,42 @@ def _isolated_cache(
     if request.node.get_closest_marker("integration"):
         return
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with a ``long`` test first, then those with a ``slow`` one (a stable sort, so each
+    file's tests stay together and its module fixtures load once): under xdist the workers then
+    start on the longest files and finish together, rather than one worker running the
+    walkthrough alone at the end."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        mark = 0 if item.get_closest_marker("long") else 1 if item.get_closest_marker("slow") else 2
+        rank[item.path] = min(rank.get(item.path, 2), mark)
+    items.sort(key=lambda item: rank[item.path])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_FuzzCountsAcrossWorkers(), "guarduq-fuzz-counts")
+
+
+class _FuzzCountsAcrossWorkers:
+    """Each xdist worker tallies its own fuzz inputs; they are sent to the controller, which
+    prints the summary below."""
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        from tests.unit.fuzz_support import COUNTS, OUTCOMES
+
+        out = getattr(session.config, "workeroutput", None)
+        if out is not None:  # in a worker
+            out["fuzz_counts"], out["fuzz_outcomes"] = dict(COUNTS), dict(OUTCOMES)
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        from tests.unit.fuzz_support import COUNTS, OUTCOMES
+
+        out = getattr(node, "workeroutput", {})
+        COUNTS.update(out.get("fuzz_counts", {}))
+        OUTCOMES.update(out.get("fuzz_outcomes", {}))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -17,6 +17,7 @@ DATA = Path(os.environ.get("GUARDUQ_DATA") or Path(__file__).resolve().parents[2
 ARC = DATA / "arc_easy" / "ARC-Easy-Dev.jsonl"
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not ARC.is_file(), reason=f"evaluation data not found at {ARC}")
 def test_calibrate_then_evaluate_json_contract(tmp_path: Path, real_guard, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "cal.json"

@@ -47,6 +47,7 @@ def test_cli_score_json_contract(real_guard):
     assert row["n_tokens"] == direct.n_tokens and row["valid"] is True
 
 
+@pytest.mark.long
 def test_fingerprint_stable_across_gguf_and_cached_loads(tmp_path, monkeypatch, real_guard):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cold = load_model("smollm2-135m-instruct")  # dequantizes the GGUF, writes the cache

@@ -29,6 +29,7 @@ def _items(tmp_path: Path) -> list:
     return [*load_dataset("triviaqa", qa).items, *load_dataset("jsonl", lab).items]
 
 
+@pytest.mark.long
 def test_ray_records_equal_single_process(tmp_path: Path) -> None:
     """A tiny random Llama saved to a folder keeps this well under a minute on 2 cores."""
     from guarduq import Guard

@@ -35,7 +35,7 @@ from guarduq.store import Store
 from tests.browser_helpers import NEEDS_BROWSER, chrome, press, wait_away
 from tests.unit.serve_helpers import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, NEEDS_BROWSER]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, NEEDS_BROWSER]
 
 ROOT = Path(__file__).resolve().parents[2]
 GUARDUQ = str(Path(sys.executable).with_name("guarduq"))

@@ -83,6 +83,7 @@ def _close(a, b, path="") -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_9_during_calibrate_then_rerun_equals_an_uninterrupted_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     seed = int(os.environ.get("GUARDUQ_FAULT_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
