@@ -36,8 +36,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Under pytest-xdist (`make test` runs two workers) the workers share the cores: torch's intra-op
 # pool would otherwise give each worker one thread per core and oversubscribe them.
+# The servers, calibrate runs and Ray workers the tests start inherit the same share.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -163,6 +166,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, sum the workers' fuzz input counts for the summary."""
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_FuzzCountsAcrossWorkers(), "guarduq-fuzz-counts")
 

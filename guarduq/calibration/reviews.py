@@ -121,16 +121,23 @@ def check_review_size(
             f"with no errors (observed error rate {rate:.2f}): label about {n - n_uniform} more "
             "replies the uniform draw picked (or raise review.rate)"
         )
-    for name in ("threshold", "test"):
-        if not parts[name]:  # each uniform label lands there by its id hash, with this probability
-            share = fractions[f"{name}_fraction"]
-            problems.append(
-                f"none of the {n_uniform} labels of the uniform sample fell in the '{name}' split "
-                + (f"(each lands there with probability {share:g}): label about {math.ceil(1 / share)} "
-                   "more replies the uniform draw picked" if share > 0 else f"(its {name}_fraction is 0)")
-            )
+    empty = [name for name in ("threshold", "test") if not parts[name]]
+    if empty and n_uniform:
+        problems.append(_empty_split_problem(empty, n_uniform, fractions))
     if problems:
         raise CalibrationError("too few reviewed labels to calibrate: " + "; ".join(problems))
+
+
+def _empty_split_problem(empty: Sequence[str], n_uniform: int, fractions: Mapping[str, float]) -> str:
+    """Each uniform label lands in a split by its id hash, with the split's share f as its
+    probability, so k more labels leave it empty with probability (1 - f)^k: the count given
+    makes that at most 5% for the smallest share among the empty splits."""
+    share = min(fractions[f"{name}_fraction"] for name in empty)
+    more = math.ceil(math.log(0.05) / math.log(1 - share))
+    names = " and ".join(f"'{name}'" for name in empty)
+    return (f"none of the {n_uniform} labels of the uniform sample fell in the {names} split "
+            f"(each lands there with probability {share:g}): label about {more} more replies the "
+            "uniform draw picked (95% likely to fill it)")
 
 
 def weights_summary(weights: np.ndarray) -> dict[str, float]:

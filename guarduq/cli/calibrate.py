@@ -354,6 +354,11 @@ def _review_settings(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} {given:g} disagrees with {args.policy}'s review.{name} {setting:g}, "
                              f"which the review page counts with: drop {flag} or edit the policy")
         setattr(args, name, next(v for v in (given, setting, default) if v is not None))
+    tf, hf = args.test_fraction, args.threshold_fraction
+    if not (0 < tf < 1 and 0 < hf < 1 and tf + hf < 1):  # checked before the slow scoring
+        raise InputError(f"the test and threshold fractions must each be in (0, 1) with a sum below 1 "
+                         f"(both splits are needed; the rest fits the risk model), got test {tf:g} "
+                         f"and threshold {hf:g}")
 
 
 def _apply_rule(rule: str, fit: Sequence[Any], C: float | str) -> tuple[str, ...]:

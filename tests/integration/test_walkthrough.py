@@ -196,7 +196,8 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
         # reviewer would, until each split holds one.
         extra = iter(EASY)
         while missing := _empty_splits(asked, mine / "policy.yaml"):
-            question, answers = next(extra)
+            question, answers = next(extra, (None, None))
+            assert question is not None, f"{len(EASY)} more labels left the {missing} split empty"
             asked[_ask(base, question)["request_id"]] = answers
             assert _label_in_browser(base, store, asked) == 1, missing
         progress = store.progress()

@@ -5,6 +5,7 @@ how many more are needed; bad flag combinations are one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,8 @@ def test_an_empty_threshold_split_is_refused_with_how_many_more(
                "--out", str(tmp_path / "c.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "none of the 5 labels of the uniform sample fell in the 'threshold' split" in err, err
-    assert "probability 0.3): label about 4 more" in err and "'test' split" not in err
+    more = math.ceil(math.log(0.05) / math.log(1 - 0.3))  # (1 - 0.3)^k <= 5%
+    assert f"probability 0.3): label about {more} more" in err and "'test' split" not in err
     assert not (tmp_path / "c.json").exists()
 
 
@@ -115,6 +117,8 @@ def test_an_empty_threshold_split_is_refused_with_how_many_more(
     (["--dataset", "jsonl", "--data", "x.jsonl", "--store", "STORE"], "go with --dataset reviews"),
     (["--dataset", "reviews", "--store", "STORE", "--since", "last week"], "ISO 8601"),
     (["--dataset", "reviews", "--store", "EMPTY"], "no reviewed replies labelled"),
+    (["--dataset", "reviews", "--store", "STORE", "--test-fraction", "0"], "must each be in (0, 1)"),
+    (["--dataset", "jsonl", "--data", "x.jsonl", "--threshold-fraction", "0.7"], "with a sum below 1"),
 ])
 def test_bad_review_flags_are_one_line(tmp_path: Path, tiny_model_dir: Path, argv: list[str], message: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:
