@@ -69,8 +69,8 @@ test-unit: $(STAMP)
 test-bench: $(STAMP)
 	@$(PY) -m pytest -q -m bench $(PYTEST_ARGS)
 
-# Property-based fuzzing of every input boundary, FUZZ_SCALE (default 20) times the examples that
-# `make test` runs; prints the number of generated inputs per boundary at the end.
+# Property-based fuzzing of every input boundary, FUZZ_SCALE (default 20) times the examples each
+# test names (`make test` runs half that number); prints the generated inputs per boundary at the end.
 fuzz: $(STAMP)
 	@HYPOTHESIS_PROFILE=fuzz FUZZ_OUTCOMES=1 $(PY) -m pytest -q -m fuzz $(PYTEST_ARGS)
 
