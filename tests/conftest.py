@@ -38,7 +38,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # pool would otherwise give each worker one thread per core and oversubscribe them.
 # The servers, calibrate runs and Ray workers the tests start inherit the same share.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _THREADS = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux / elsewhere
+    _THREADS = max(1, _CORES // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     torch.set_num_threads(_THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
