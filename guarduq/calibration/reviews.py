@@ -156,13 +156,21 @@ def uniform_only(records: Sequence[Any], datasets: Sequence[Dataset]) -> list[An
 
 
 def uniform_reference(cal: Any, records: Sequence[Any], datasets: Sequence[Dataset]) -> None:
-    """Point the calibrator's drift reference at the uniform sample (a simple random sample of
-    the traffic), not at its fit split, which escalations and bands over-represent."""
+    """Point the calibrator's drift references at the uniform sample (a simple random sample of
+    the traffic), not at its fit split, which escalations and bands over-represent: the PSI
+    quantiles, and the per-item ``drift_reference`` the ok/slice/unseen case reads, with each
+    item under its traffic group (ungrouped ones under ``reviews``). Under the dataset name alone
+    every item would be one group, and the case needs two (``drift_groups.MIN_GROUP`` items each),
+    so a reloaded reviews calibrator would never read ``unseen`` and ``on_drift`` never act."""
     from guarduq.calibration.drift import drift_features, reference_quantiles
+    from guarduq.calibration.drift_groups import reference_data
 
-    uniform = [r.scores for r in uniform_only(records, datasets)]
+    uniform = uniform_only(records, datasets)
     if uniform:
-        cal.reference_ = reference_quantiles(uniform, drift_features(cal.features))
+        cal.reference_ = reference_quantiles([r.scores for r in uniform], drift_features(cal.features))
+        group = {it.id: it.meta.get("group") for d in datasets for it in d.items}
+        cal.drift_reference_ = reference_data([r.scores for r in uniform],
+                                              [group.get(r.id) or r.dataset for r in uniform])
 
 
 def group_certificates(cal: Any, parts: Mapping[str, Sequence[Any]], datasets: Sequence[Dataset],

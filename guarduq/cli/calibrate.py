@@ -287,7 +287,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         unit="labels of the uniform sample" if reviews else "labelled answers"))
     evaluation = cal.evaluate(*_xy(parts["test"]))
     cal.attach_evaluation(evaluation)
-    cal.drift_reference_ = reference_data([r.scores for r in ok], [r.dataset for r in ok])
+    if not reviews:  # reviews: the uniform sample per traffic group (uniform_reference)
+        cal.drift_reference_ = reference_data([r.scores for r in ok], [r.dataset for r in ok])
     summary = summarize(records)
     cal.datasets_ = [
         {

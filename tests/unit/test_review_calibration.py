@@ -57,6 +57,8 @@ def test_fit_takes_every_label_and_the_certificate_only_the_uniform_ones(
     assert res["split_sizes"]["fit"] == in_fit + len(band)  # band items only ever fit
     assert res["split_sizes"]["threshold"] + res["split_sizes"]["test"] == len(uniform) - in_fit
     assert res["reviews"]["uniform"] == len(uniform)
+    # the drift reference is the uniform sample (the band items over-represent the borderline)
+    assert json.loads(out.read_text())["drift_reference"]["dataset"] == ["reviews"] * len(uniform)
     # pi_fit: uniform items rate*f + (1-rate)*0 = 0.2; band items 0.2 + 0.5*0.5 = 0.45
     assert res["reviews"]["weights"]["max_over_min"] == pytest.approx(0.45 / 0.2)
     # evaluate --split test takes the same held-out uniform items (band items were fit on)
@@ -175,3 +177,13 @@ def test_each_traffic_group_with_the_labels_gets_its_own_certificate_and_a_small
     assert groups["support"]["n"] == in_threshold  # certified on its own threshold-split labels only
     cal = Calibrator.load(out)
     assert set(cal.group_thresholds_) == set(sizes) and cal.group_thresholds_["rare"][0].threshold is None
+    # the drift reference holds each reply under its traffic group, so the live window can read
+    # slice:<group> or unseen against them (under the dataset name alone: one group, no case)
+    from collections import Counter
+
+    from guarduq.calibration.drift import reference_from_artifact
+
+    art = json.loads(out.read_text())
+    assert Counter(art["drift_reference"]["dataset"]) == sizes
+    grouped = reference_from_artifact(art).grouped
+    assert grouped is not None and grouped.groups == ("legal", "support")  # rare: under MIN_GROUP items
