@@ -178,7 +178,8 @@ def _drift_monitor(calibrator: Calibrator | None, s: Settings) -> DriftMonitor |
             log.warning("drift_disabled", reason=str(exc))
     if ref is None:
         return None
-    return DriftMonitor(ref, window=s.drift_window, min_n=s.drift_min_n)
+    # a window shorter than min_n (--drift-window 20) reads once it is full, rather than refusing to start
+    return DriftMonitor(ref, window=s.drift_window, min_n=min(s.drift_min_n, s.drift_window))
 
 
 def _version() -> str:

@@ -350,6 +350,20 @@ def test_drift_gauges_follow_the_live_window(tokenizer):
     assert 'guarduq_drift_level{feature="aleatoric"} 2.0' in text  # every live value in one decile
 
 
+def test_a_drift_window_shorter_than_min_n_reads_once_it_is_full(tokenizer):
+    """``guarduq serve --drift-window 10`` (min_n stays 50) used to refuse to start."""
+    import numpy as np
+
+    from guarduq.calibration.drift import Reference
+
+    ref = Reference({"aleatoric": np.linspace(0.0, 0.25, 40), "log_epistemic": np.linspace(-3, 3, 40)}, "t")
+    app, _ = fake_app(tokenizer, drift_reference=ref, drift_window=4)
+    c = local_client(app)
+    for n in range(1, 5):
+        c.post("/v1/chat/completions", json=body())
+        assert ('guarduq_drift_level{feature="aleatoric"} 2.0' in c.get("/metrics").text) == (n == 4)
+
+
 def test_tracing_is_a_no_op_without_otel_env_and_harmless_with_it(tokenizer, monkeypatch):
     from guarduq.serve import tracing
 
