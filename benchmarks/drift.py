@@ -15,7 +15,7 @@ alpha = 0.7 guarantee (error rate among accepted answers <= 0.7) holds there.
   refitted on the fresh items of the others, and windows of the left-out one against its reference.
 
 Fresh items are scored by ``benchmarks/drift_score.py`` (the real model) into
-``runs/cache/drift/``; this script loads no model:
+``scores/cache/drift/``; this script loads no model:
 
     python benchmarks/drift.py            # writes docs/results/drift.md + drift.png
     python benchmarks/drift.py --quick    # synthetic data, seconds (tests/unit/test_drift_bench.py)
@@ -36,6 +36,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _drift_folds import fold_windows, folds_report, print_folds, write_folds  # noqa: E402
 from _drift_windows import (  # noqa: E402
     ALPHA,
     FEATURES,
@@ -56,7 +57,7 @@ from guarduq.calibration.splits import hash_unit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACT = ROOT / "policies" / "calibrators" / "smollm2-135m-instruct.json"
-CACHES = ROOT / "runs" / "cache" / "drift" / "smollm2-135m-instruct"
+CACHES = ROOT / "scores" / "cache" / "drift" / "smollm2-135m-instruct"
 LEFT_OUT = ("sst2",)
 
 
@@ -87,25 +88,41 @@ def calibration_items(folder: Path | None) -> list[dict[str, Any]]:
     return out
 
 
+def cache_reference(folder: Path) -> GroupReference:
+    """Every usable item of the calibration score caches in ``folder``, with its dataset: the
+    reference a calibrator refitted on them stores (``drift_reference``), before refitting it."""
+    from guarduq.calibration.evaluation import ScoreCache
+
+    recs = [{**r.scores, "dataset": r.dataset} for path in sorted(glob.glob(str(folder / "*.jsonl")))
+            for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+    counts = ", ".join(f"{g} {n}" for g, n in sorted(Counter(r["dataset"] for r in recs).items()))
+    return group_reference(recs, FEATURES, f"calibration items in {folder} ({counts})")
+
+
 def real_data(extend: Path | None = None) -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
-    """The artifact's held-out items as the reference (less half of TruthfulQA; plus the
-    calibration items in ``extend``), and the fresh pools."""
+    """The artifact's drift reference (``drift_reference``: every calibration item; older artifacts:
+    the held-out ``evaluation_data``) less half of the held-out TruthfulQA items, which become its
+    fresh pool (plus, for an old artifact, the calibration items in ``extend``), and the fresh pools."""
     from guarduq.calibration.calibrator import Calibrator
     from guarduq.calibration.evaluation import ScoreCache
 
     art = json.loads(ARTIFACT.read_text())
     cal = Calibrator.load(ARTIFACT)
     threshold = cal.threshold_for(ALPHA)
-    ed = art["evaluation_data"]
-    n = len(ed["dataset"])
-    recs = [{k: ed[k][i] for k in ed if isinstance(ed[k], list)} for i in range(n)]
+    recs = _columns(art["evaluation_data"])
     # evaluation_data keeps no ids; its order is fixed, so the item's index decides the hold-aside
     aside = [r["dataset"] in HELD_ASIDE and hash_unit(f"{r['dataset']}:{i}", "drift-aside") < 0.5
              for i, r in enumerate(recs)]
-    more = calibration_items(extend)
-    extra = "".join(f" plus {k} {g} calibration items outside the test share" for g, k in Counter(r["dataset"] for r in more).items())
-    ref = group_reference([r for r, a in zip(recs, aside, strict=True) if not a] + more, FEATURES,
-                          f"{ARTIFACT.name} evaluation_data less half of TruthfulQA{extra}")
+    if art.get("drift_reference"):
+        base, name = _columns(art["drift_reference"]), "drift_reference (every calibration item)"
+        kept = _without(base, [r for r, a in zip(recs, aside, strict=True) if a])
+    else:
+        more = calibration_items(extend)
+        extra = "".join(f" plus {k} {g} calibration items outside the test share"
+                        for g, k in Counter(r["dataset"] for r in more).items())
+        base, name = recs + more, f"evaluation_data{extra}"
+        kept = [r for r, a in zip(recs, aside, strict=True) if not a] + more
+    ref = group_reference(kept, FEATURES, f"{ARTIFACT.name} {name} less half of the held-out TruthfulQA")
     pools: dict[str, Pool] = {}
     for ds in HELD_ASIDE:
         rows = [r for r, a in zip(recs, aside, strict=True) if a and r["dataset"] == ds]
@@ -121,8 +138,33 @@ def real_data(extend: Path | None = None) -> tuple[GroupReference, dict[str, Poo
                          np.array([1 - r.label for r in items]), np.array([ds] * len(items)))
     info = {"reference": ref.source, "threshold": threshold, "artifact": ARTIFACT.name,
             "fingerprint": art["model"]["fingerprint"],
-            "shipped": group_reference(recs + more, FEATURES, f"{ARTIFACT.name} evaluation_data (all {n}){extra}")}
+            "shipped": group_reference(base, FEATURES, f"{ARTIFACT.name} {name} (all {len(base)})")}
     return ref, pools, float(threshold), info
+
+
+def _columns(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of an artifact's column table (``evaluation_data``, ``drift_reference``)."""
+    keys = [k for k, v in data.items() if isinstance(v, list)]
+    return [{k: data[k][i] for k in keys} for i in range(len(data["dataset"]))]
+
+
+def _without(rows: list[dict[str, Any]], drop: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` less one row per row of ``drop`` with the same dataset and raw signals (both tables
+    round them to the same 6 significant digits, and neither keeps item ids)."""
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r["dataset"], r.get("epistemic"), r.get("aleatoric"), r.get("mean_logprob"))
+
+    left = Counter(key(r) for r in drop)
+    out = []
+    for r in rows:
+        if left[key(r)] > 0:
+            left[key(r)] -= 1
+        else:
+            out.append(r)
+    missing = sum(left.values())
+    if missing:
+        raise SystemExit(f"{missing} held-aside items are not in the drift reference: artifact tables disagree")
+    return out
 
 
 def quick_data(seed: int = 0) -> tuple[GroupReference, dict[str, Pool], float, dict[str, Any]]:
@@ -423,8 +465,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
 def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, results: list[dict[str, Any]],
            summaries: list[dict[str, Any]], auroc_floor: float, png: str,
-           lodo_res: dict[str, Any] | None = None) -> str:
-    lines = [f"Reference: {info['reference']}; fresh items from `runs/cache/drift/` (model fingerprint "
+           lodo_res: dict[str, Any] | None = None, folded: list[dict[str, Any]] | None = None) -> str:
+    lines = [f"Reference: {info['reference']}; fresh items from `scores/cache/drift/` (model fingerprint "
              f"{info.get('fingerprint', 'n/a')}); α = {ALPHA} threshold risk ≤ {threshold:.3f}. "
              f"A window is **degraded** when the α guarantee clearly fails on it (the 95% Wilson lower "
              f"bound of its error rate among accepted answers is above {ALPHA}) or its risk AUROC is below {auroc_floor}.", "",
@@ -456,6 +498,8 @@ def report(info: dict[str, Any], pools: dict[str, Pool], threshold: float, resul
                     + f" | {v['guarantee_failed']} | {v['auroc_below']} | {v['auroc_median']:.2f} | "
                     + ", ".join(f"{k} {n}" for k, n in v["sources"].items()) + " |"
                     for c, v in s["by_case"].items()], ""]
+    if folded:
+        lines += folds_report(folded)
     if lodo_res:
         lines += lodo_report(lodo_res)
     lines += [f"![cases per source and AUROC against distance]({png})"]
@@ -470,15 +514,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", type=int, default=100, help="window drawn without replacement")
     p.add_argument("--count", type=int, default=200)
     p.add_argument("--auroc-floor", type=float, default=0.5)
+    p.add_argument("--folds", type=int, action="append", default=None, metavar="K",
+                   help="in-distribution false alarms on K folds of the reference (repeatable; default 10 and 20)")
+    p.add_argument("--folds-only", action="store_true",
+                   help="only the fold windows (no fresh pools needed): writes drift_folds.md and .json")
+    p.add_argument("--reference-caches", type=Path, metavar="DIR",
+                   help="with --folds-only: the reference is every usable item of the score caches DIR/*.jsonl "
+                   "(what a refitted artifact's drift_reference holds), not the artifact's")
     p.add_argument("--extend-reference", type=Path, metavar="DIR",
                    help="add the calibration items drift_trace.py rescored (DIR/*-rest.jsonl) to the reference")
     args = p.parse_args(argv)
+    args.folds = args.folds or ([5] if args.quick else [10, 20])
     if args.quick:
         ref, pools, threshold, info = quick_data()
         args.count = min(args.count, 40)
         args.size, args.small = min(args.size, 200), min(args.small, 60)
     else:
         ref, pools, threshold, info = real_data(args.extend_reference)
+    if args.reference_caches:
+        info["shipped"] = cache_reference(args.reference_caches)
+    folded = [fold_windows(info["shipped"], folds=k, draws=100 if args.quick else 400) for k in args.folds]
+    if args.folds_only:
+        write_folds(args.out_dir / ("drift_folds_quick.md" if args.quick else "drift_folds.md"), folded)
+        return 0
     results = [run(ref, pools, threshold, size=args.size, count=args.count, replace=True),
                run(ref, pools, threshold, size=args.small, count=args.count, replace=False, seed=1),
                run(ref, pools, threshold, size=args.size, count=args.count, replace=False, seed=2)]
@@ -489,11 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     name = "drift_quick" if args.quick else "drift"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, args.out_dir / f"{name}.png")
-    body = report(info, pools, threshold, results, summaries, args.auroc_floor, f"{name}.png", lodo_res)
+    body = report(info, pools, threshold, results, summaries, args.auroc_floor, f"{name}.png", lodo_res, folded)
     write_page(args.out_dir / f"{name}.md", body, "Drift that predicts trouble: ok, slice or unseen")
     (args.out_dir / f"{name}.json").write_text(json.dumps(
         {"info": {k: v for k, v in info.items() if k != "shipped"}, "summaries": summaries,
-         "thresholds": [r["thresholds"] for r in results], "lodo": lodo_res}, indent=1, default=float))
+         "thresholds": [r["thresholds"] for r in results], "lodo": lodo_res,
+         "fold_windows": folded}, indent=1, default=float))
     for s, r in zip(summaries, results, strict=True):
         print(f"windows of {r['size']} ({'with' if r['replace'] else 'without'} replacement):")
         for src, v in s["per_source"].items():
@@ -503,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         L = f["left-out"]
         print(f"  LODO without {d:<14} cases {L['cases']} AUROC {L['auroc']} held {L['held']} "
               f"mix alarm {f['mix']['alarm']:.2f}")
+    print_folds(folded)
     print(f"wrote {args.out_dir / name}.md")
     return 0
 

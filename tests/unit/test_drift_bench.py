@@ -68,3 +68,26 @@ def test_leave_one_dataset_out_refits(out: Path) -> None:
     assert far["cases"].get("unseen", 0) / far["windows"] >= 0.9 and far["auroc"] < 0.5
     assert 0.0 <= res["mix_false_alarm"] <= 1.0 and res["mix_windows"] > 0
     assert "Leave one dataset out" in (out / "drift_quick.md").read_text()
+
+
+def test_fold_windows_share_no_item_and_count_alarms(out: Path) -> None:
+    import numpy as np
+
+    from guarduq.calibration.drift_groups import GroupReference
+
+    folds = sys.modules["_drift_folds"]
+    rng = np.random.default_rng(0)
+    group = np.array(["a"] * 103 + ["b"] * 60)
+    ref = GroupReference(("x",), rng.normal(size=(163, 1)), group, "t")
+    which = folds.fold_of(ref, 10, "s")
+    for g in "ab":  # every group split evenly over the folds: each item in one fold only
+        sizes = np.bincount(which[group == g], minlength=10)
+        assert sizes.max() - sizes.min() <= 1 and sizes.sum() == (group == g).sum()
+    rows = [{"source": "mix", "n": 9, "label": "slice:a"}, {"source": "a", "n": 5, "label": "slice:a"},
+            {"source": "a", "n": 5, "label": "unseen"}, {"source": "b", "n": 5, "label": "slice:a"},
+            {"source": "b", "n": 5, "label": "ok"}]
+    fa = folds.false_alarms({"rows": rows})
+    assert fa["per_source"]["mix"]["alarms"] == 1  # a mix window must read ok
+    assert (fa["groups"]["alarms"], fa["groups"]["windows"], fa["groups"]["other_slice"]) == (1, 4, 1)
+    page = json.loads((out / "drift_quick.json").read_text())["fold_windows"][0]
+    assert {r["source"] for r in page["rows"]} == {"mix", *"abcd"}
