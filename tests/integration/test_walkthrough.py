@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,15 +28,11 @@ import pytest
 from guarduq.calibration.labels import alias_match
 from guarduq.store import Store
 from tests.browser_helpers import NEEDS_BROWSER, chrome, press, wait_away
+from tests.integration.walkthrough_helpers import ADMIN, GUARDUQ, TRIVIAQA, chat, my_folder, serving
 from tests.unit.serve_helpers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.long, NEEDS_BROWSER]
 
-ROOT = Path(__file__).resolve().parents[2]
-GUARDUQ = str(Path(sys.executable).with_name("guarduq"))
-ADMIN = "walkthrough-admin-key"
-DATA = Path(os.environ.get("GUARDUQ_DATA") or ROOT / ".." / "shared" / "data")
-TRIVIAQA = DATA / "triviaqa" / "triviaqa_dev_1k.jsonl"
 N_TRIVIAQA = 14
 # Traffic with known answers: questions SmolLM2 usually gets right, and TriviaQA questions
 # (../shared/data) it usually does not, so the labels hold both verdicts.
@@ -74,60 +65,18 @@ def questions() -> list[tuple[str, list[str]]]:
 def mine(tmp_path: Path) -> Path:
     """Step 1: a folder with your policy and calibrator (copies of the shipped ones), set to
     sample every reply for review while you start out."""
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    shutil.copy(ROOT / "policies/calibrators/smollm2-135m-instruct.json", folder / "calibrator.json")
-    text = (ROOT / "policies/review.yaml").read_text()
-    edited = text.replace("calibrator: calibrators/smollm2-135m-instruct.json", "calibrator: calibrator.json")
-    edited = edited.replace("  rate: 0.1\n", "  rate: 1.0\n")
-    assert edited.count("calibrator.json") == 1 and "rate: 1.0" in edited  # the README's two edits
-    (folder / "policy.yaml").write_text(edited)
-    return folder
+    return my_folder(tmp_path)
 
 
 @pytest.fixture
 def server(mine: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
     """Step 2: ``guarduq serve`` with a store, the review page and an admin key."""
-    port, db = free_port(), tmp_path / "guarduq.db"
-    env = {**os.environ, "GUARDUQ_ADMIN_KEY": ADMIN}
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [GUARDUQ, "serve", "--policy", str(mine / "policy.yaml"), "--store", f"sqlite:///{db}", "--review",
-         "--admin-key-env", "GUARDUQ_ADMIN_KEY", "--port", str(port), "--default-max-tokens", "16"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("guarduq serve did not become ready:\n" + (tmp_path / "serve.log").read_text()[-3000:])
-        yield {"base": base, "store": f"sqlite:///{db}", "proc": proc}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
-def _chat(base: str, question: str) -> dict[str, Any]:
-    r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-        "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}]})
-    assert r.status_code == 200, r.text
-    return r.json()
+    with serving(mine / "policy.yaml", tmp_path) as srv:
+        yield srv
 
 
 def _ask(base: str, question: str) -> dict[str, Any]:
-    return _chat(base, question)["guarduq"]
+    return chat(base, question)["guarduq"]
 
 
 def _foreign_host_refused(base: str) -> None:
@@ -240,7 +189,7 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     assert r.status_code == 200, r.text
     assert r.json()["changed"] and r.json()["new"]["calibrator_sha256"] == new
     assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == new
-    reply = _chat(base, "What is the capital of France?")
+    reply = chat(base, "What is the capital of France?")
     text = reply["choices"][0]["message"]["content"]
     assert reply["guarduq"]["calibrator_sha256"] == new and reply["choices"][0]["finish_reason"] == "content_filter"
     assert "no certified risk threshold" in text and "estimated chance" not in text and "%" not in text
