@@ -1,5 +1,5 @@
 """Score FRESH items for the drift evidence (``benchmarks/drift.py``): items the shipped
-calibrator never saw, with the real model, into resumable caches under ``runs/cache/drift/``.
+calibrator never saw, with the real model, into resumable caches under ``scores/cache/drift/``.
 
 * in-mix: items of the calibration files *outside* the subset ``--limit 1000`` picked (the 1000
   smallest ``hash_unit(id, "limit")``; see ``Dataset._load``), the next ones in that same order,
@@ -24,7 +24,7 @@ from guarduq.calibration.splits import hash_unit
 
 MODEL = "smollm2-135m-instruct"
 CAL_LIMIT = 1000  # the Makefile's CAL_LIMIT for the five files with more items than that
-CACHE_DIR = Path("runs/cache/drift") / MODEL
+CACHE_DIR = Path(__file__).resolve().parent.parent / "scores" / "cache" / "drift" / MODEL
 # (loader, file under the data dir, items to score): BoolQ's passages make it ~3x slower.
 # The committed run (docs/results/drift.md): 1,721 answers, ~30 min on 2 cores (two lanes).
 PLAN: list[tuple[str, str, int]] = [

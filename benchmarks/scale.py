@@ -1,8 +1,8 @@
 """The method's claims across model sizes: one table and one plot from the scoring caches.
 
     python benchmarks/scale.py \
-        --cache 'smollm2-135m-instruct=runs/cache/smollm2-135m-instruct/*.jsonl' \
-        --cache 'qwen2.5-coder-1.5b-instruct=~/.cache/guarduq/runs/cache/qwen2.5-coder-1.5b-instruct/*.jsonl' \
+        --cache 'smollm2-135m-instruct=scores/cache/smollm2-135m-instruct/*.jsonl' \
+        --cache 'qwen2.5-coder-1.5b-instruct=scores/cache/qwen2.5-coder-1.5b-instruct/*.jsonl' \
         [--cost 'qwen2.5-coder-1.5b-instruct=docs/results/scale/cost_qwen2.5-coder-1.5b-instruct.json']
 
 Per model (no model is loaded; caches are read from private copies, so live ones are fine):

@@ -1,7 +1,7 @@
 """What guarding a larger model costs on this CPU, and whether bf16 pays: ratios from one run.
 
     .venv/bin/python benchmarks/scale_cost.py --model qwen2.5-coder-1.5b-instruct \
-        --cache '~/.cache/guarduq/runs/cache/qwen2.5-coder-1.5b-instruct/*.jsonl'
+        --cache 'scores/cache/qwen2.5-coder-1.5b-instruct/*.jsonl'
 
 1. ``short``: greedy 32-token answers to N TriviaQA questions (``min_new_tokens`` = 32, so every
    mode makes the same tokens): unguarded ``model.generate``, ``Guard.generate`` over the last 2
