@@ -91,3 +91,14 @@ def test_fold_windows_share_no_item_and_count_alarms(out: Path) -> None:
     assert (fa["groups"]["alarms"], fa["groups"]["windows"], fa["groups"]["other_slice"]) == (1, 4, 1)
     page = json.loads((out / "drift_quick.json").read_text())["fold_windows"][0]
     assert {r["source"] for r in page["rows"]} == {"mix", *"abcd"}
+
+
+def test_held_aside_items_leave_the_drift_reference_once_each(out: Path) -> None:
+    bench = sys.modules["drift_bench"]
+    row = {"dataset": "truthfulqa-mc", "epistemic": 1.5, "aleatoric": 0.2, "mean_logprob": -1.0}
+    other = {**row, "epistemic": 2.5}
+    rows = [row, dict(row), other, {**row, "dataset": "arc"}]
+    kept = bench._without(rows, [dict(row)])  # one of the two equal rows goes, nothing else
+    assert kept == [row, other, {**row, "dataset": "arc"}]
+    with pytest.raises(SystemExit, match="1 held-aside items are not in the drift reference"):
+        bench._without(rows, [{**row, "aleatoric": 0.3}])
