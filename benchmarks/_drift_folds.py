@@ -5,10 +5,14 @@ same case together: their share of alarms measures that one pool's draw, not a r
 item of the artifact's ``drift_reference`` (every calibration item with its dataset) goes to one of
 ``folds`` folds by a hash of its group and position. For each fold, a classifier is built on the
 other folds, its thresholds recomputed as a server recomputes them on its own reference, and the
-fold's items form fresh windows for it: one per group (should read ``ok`` or ``slice:<group>``;
-``unseen`` is the false alarm that would trigger a policy's drift action) and one of the whole mix
-(should read ``ok``). Windows of different folds share no item, so their alarm counts are binomial
-counts (Wilson intervals). The reference is ``(folds - 1) / folds`` of the shipped one.
+fold's items form fresh windows for it: one per group (should read ``ok`` or a slice; ``unseen``
+is the false alarm that would trigger a policy's drift action) and windows of the same size cut
+from the whole fold (the mix: should read ``ok``). No item is in two windows, nor in the
+reference of the classifier that reads it. The classifiers of different folds share
+``(folds - 2) / folds`` of their references, so the windows' readings are not quite independent
+draws: the Wilson intervals treat them as if they were, and are approximate. Results at two fold
+counts come from the same items: two views, not two samples. The reference is
+``(folds - 1) / folds`` of the full one.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def _window(ref: GroupReference, idx: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def fold_windows(ref: GroupReference, *, folds: int = 10, salt: str = "drift-folds", draws: int = 400) -> dict[str, Any]:
-    """Classify each fold's group windows and mix window against a classifier built on the rest."""
+    """Classify each fold's group windows and mix windows against a classifier built on the rest."""
     which = fold_of(ref, folds, salt)
     rows: list[dict[str, Any]] = []
     for k in tqdm(range(folds), desc=f"{folds} folds", file=sys.stderr):
@@ -53,8 +57,11 @@ def fold_windows(ref: GroupReference, *, folds: int = 10, salt: str = "drift-fol
         size = max(2, int(round((~keep).sum() / max(len(ref.groups), 1))))
         clf = CaseClassifier(sub, window=size, draws=draws, seed=k)
         held = np.flatnonzero(~keep)
-        rows.append({"fold": k, "source": "mix", "n": int(held.size),
-                     "label": clf.classify(_window(ref, held)).label})
+        # the mix: the fold's items in a random order, cut into windows of about `size` (the
+        # window the thresholds were set for), each a random draw of the mix
+        shuffled = np.random.default_rng(k).permutation(held)
+        for idx in np.array_split(shuffled, max(1, round(held.size / size))):
+            rows.append({"fold": k, "source": "mix", "n": int(idx.size), "label": clf.classify(_window(ref, idx)).label})
         for g in ref.groups:
             idx = held[ref.group[held] == g]
             rows.append({"fold": k, "source": g, "n": int(idx.size), "label": clf.classify(_window(ref, idx)).label})
@@ -89,7 +96,9 @@ def folds_report(results: list[dict[str, Any]]) -> list[str]:
              "Each fold's items are fresh to a classifier built on the other folds (thresholds recomputed); "
              "a group window should read `ok` or a slice (its own, or a similar group's); `unseen` is its false "
              "alarm, the reading a policy's `on_drift.unseen` acts on. The mix window should read `ok`. "
-             "Intervals: Wilson 95%, windows of one fold count are independent.", ""]
+             "Intervals: Wilson 95%, as if the windows were independent draws; they share no item, but "
+             "the classifiers of different folds share most of their reference, so the intervals are approximate. "
+             "The two fold counts are two views of the same items.", ""]
     for res in results:
         fa = false_alarms(res)
         g = fa["groups"]
@@ -107,9 +116,11 @@ def folds_report(results: list[dict[str, Any]]) -> list[str]:
 
 def print_folds(results: list[dict[str, Any]]) -> None:
     for res in results:
-        g = false_alarms(res)["groups"]
+        fa = false_alarms(res)
+        g = fa["groups"]
+        mix = fa["per_source"]["mix"]
         print(f"  {res['folds']} folds: group windows unseen {g['alarms']}/{g['windows']}, other slice {g['other_slice']}; "
-              f"mix {false_alarms(res)['per_source']['mix']['alarms']}/{res['folds']}")
+              f"mix {mix['alarms']}/{mix['windows']}")
 
 
 def write_folds(page: Path, results: list[dict[str, Any]]) -> None:

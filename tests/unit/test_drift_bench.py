@@ -102,3 +102,33 @@ def test_held_aside_items_leave_the_drift_reference_once_each(out: Path) -> None
     assert kept == [row, other, {**row, "dataset": "arc"}]
     with pytest.raises(SystemExit, match="1 held-aside items are not in the drift reference"):
         bench._without(rows, [{**row, "aleatoric": 0.3}])
+
+
+def test_no_fold_window_is_read_by_a_classifier_that_holds_its_items(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from guarduq.calibration.drift_groups import CaseClassifier, GroupReference
+
+    folds = sys.modules["_drift_folds"]
+    values = np.arange(240, dtype=float).reshape(-1, 1)  # every item its own value
+    ref = GroupReference(("x",), values, np.array(["a"] * 120 + ["b"] * 120), "t")
+    built: list[set[float]] = []
+    seen: list[tuple[int, set[float]]] = []
+
+    class Recording(CaseClassifier):
+        def __init__(self, sub: GroupReference, **kw: Any) -> None:
+            built.append(set(sub.matrix[:, 0].tolist()))
+            super().__init__(sub, **kw)
+
+        def classify(self, window: Any) -> Any:
+            seen.append((len(built) - 1, set(np.asarray(window["x"]).tolist())))
+            return super().classify(window)
+
+    monkeypatch.setattr(folds, "CaseClassifier", Recording)
+    res = folds.fold_windows(ref, folds=4, draws=20)
+    assert len(built) == 4 and all(len(b) == 180 for b in built)
+    windows = [w for _, w in seen]
+    assert all(not (w & built[k]) for k, w in seen)  # a window's items are never in its reference
+    mix = [w for (k, w), r in zip(seen, res["rows"], strict=True) if r["source"] == "mix"]
+    assert set().union(*mix) == set(values[:, 0].tolist()) and sum(map(len, mix)) == 240  # each item once
+    assert sum(map(len, windows)) == 480  # every item once in a mix window and once in its group's
