@@ -52,7 +52,7 @@ on_drift:
 """
 WINDOW = 10  # --drift-window: the case is first read after 10 replies, then every 10
 # One torch thread per process (unless OMP_NUM_THREADS says otherwise): the server and calibrate
-# never compute at once, and beside other jobs on 2 cores two threads took 4.6 s per reply, one 1.3 s.
+# never compute at once, and beside other jobs on 2 cores two threads per process ran several times slower.
 THREADS = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 Question = tuple[str, list[str]]
 # Two kinds of traffic SmolLM2-135M answers right at 16 tokens, every one of these checked (greedy
@@ -74,14 +74,15 @@ CERTIFIED = {"geography": GEOGRAPHY, "science": SCIENCE}
 # 30 labels per group: the drift case needs two reference groups of drift_groups.MIN_GROUP = 30.
 PER_GROUP = 30
 # Each uniform label lands in the threshold split with probability 0.2 (by its random id's hash).
-# A group's certificate at alpha 0.7 rests on its own threshold-split labels: over run-time
-# scores of these questions, 0 of ~570 simulated id draws with 3 or more (all right) failed to
-# certify, while 2 failed ~60% (delta is split over two test sequences). Label on until 4.
+# A group's certificate at alpha 0.7 rests on its own threshold-split labels: with every answer
+# right it needs at least 2 accepted ones, and a few more where the threshold rule leaves some
+# out; 4 gave a certificate in every trial while writing this test. Label on until then.
 MIN_THRESHOLD = 4
 N_TRIVIAQA = 14  # mostly wrong: the pooled risk model needs wrong answers to fit
-# Sentences to translate: none of the labelled traffic asks for this. Windows of 10 of their
-# replies read `unseen` 200/200 against such a reference, 1.4 to 1.6 times past every threshold
-# (SST-2 sentiment prompts only 85/200, else slice:science; BoolQ passages mostly ok).
+# Sentences to translate: none of the labelled traffic asks for this. In trials while writing
+# this test, windows of 10 of their replies read `unseen` against such a reference every time,
+# well past every threshold (SST-2 sentiment prompts only about half the time, else
+# slice:science; BoolQ passages mostly ok), so they are the unlabelled kind here.
 TRANSLATE = [
     "The weather is nice today.", "I would like a cup of tea.", "Where is the train station?",
     "My brother lives in London.", "We are going to the beach tomorrow.", "The book is on the table.",
@@ -92,8 +93,15 @@ TRANSLATE = [
     "We watched a film last night.", "The garden is full of flowers.", "I am learning to cook.",
     "The bus is late.", "My phone is broken.", "The sky is very blue.", "She wrote a letter to her friend.",
     "The coffee is too hot.", "I need a new pair of shoes.", "The river flows to the sea.",
-    "Our teacher is very kind.",
+    "Our teacher is very kind.", "The train leaves at noon.", "I like to read in bed.",
+    "The soup needs more salt.", "We planted a tree in the park.", "My sister speaks three languages.",
+    "The cat is sleeping on the sofa.", "It is cold in the winter.", "He lost his keys again.",
+    "The baker opens early.", "We walked along the river.", "The window is open.",
+    "I will call you tomorrow.", "The market is busy on Saturdays.", "She bought a red coat.",
 ]
+# The loop below sends at most 3 * WINDOW sentences before the first `unseen` (it fails past
+# 4 * WINDOW replies since the reload, WINDOW + 1 of which are labelled kinds), then WINDOW more.
+assert len(TRANSLATE) >= 4 * WINDOW
 
 
 def trivia(n: int) -> list[Question]:
@@ -160,7 +168,7 @@ def test_groups_get_their_own_certificates_and_an_unseen_window_escalates(
     more_trivia = trivia(N_TRIVIAQA + 20)
 
     # Step 3: traffic of three named kinds and some without a name, eight clients at a time (the
-    # server batches them: 0.84 s a reply here against 1.6 s one at a time).
+    # server batches them: about twice as fast here as one at a time).
     plan: list[tuple[Question, str | None]] = [
         *((q, "geography") for q in (GEOGRAPHY * 3)[:PER_GROUP]),
         *((q, "science") for q in (SCIENCE * 5)[:PER_GROUP]),
@@ -198,7 +206,10 @@ def test_groups_get_their_own_certificates_and_an_unseen_window_escalates(
             if not short and sum(not right and split(rid) == "fit" for rid, (_, right) in asked.items()) >= 2:
                 break
             group = short[0] if short else None
-            (question, answers) = next(extra[group]) if group else next(spare)
+            nxt = next(extra[group], None) if group else next(spare, None)
+            if nxt is None:
+                pytest.fail(f"ran out of {group or 'TriviaQA'} questions before each split held its labels")
+            (question, answers) = nxt
             rid = _ask(base, question, group)["guarduq"]["request_id"]
             asked[rid] = (group, reviewer.label(rid, answers))
         else:
@@ -265,7 +276,7 @@ def test_groups_get_their_own_certificates_and_an_unseen_window_escalates(
         sentences = iter(TRANSLATE)
         while seen[-1]["in_force"]["drift"] != "unseen":
             assert len(seen) <= 4 * WINDOW, [g["in_force"]["drift"] for g in seen]
-            ask(f"Translate into French: {next(sentences)}")
+            ask(f"Translate into French: {next(sentences)}")  # the budget above is checked at import
         first = len(seen) - 1
         for g in seen[WINDOW:first]:
             assert g["in_force"]["drift"] in ("ok", "slice:geography", "slice:science"), g["in_force"]
