@@ -213,6 +213,7 @@ cascade-calibrator: $(STAMP)
 	  --cascade-on policies/calibrators/$(RISK_MODEL).json --sve $(SVE_OUT) \
 	  --sve-answer-tokens $(SVE_ANSWER_TOKENS) --features cascade --alpha 0.7 --delta 0.1 --runs-dir $(SCORES) \
 	  --allow-uncertified --out policies/calibrators/$(RISK_MODEL).cascade.json  # certifies nothing on SmolLM2
+	@echo "cascade-calibrator: point policies/cascade.yaml's calibrator back at calibrators/$(RISK_MODEL).json (and delete its .cascade-first.json)"
 cascade: $(STAMP)
 	@$(PY) benchmarks/cascade.py --cache '$(SCORES)/cache/$(RISK_MODEL)/*.jsonl'
 risk-costly: $(STAMP)
