@@ -76,25 +76,26 @@ def _features(rec: dict[str, Any]) -> list[float]:
     return out
 
 
-def calibration_items(folder: Path | None) -> list[dict[str, Any]]:
-    """Score records (with ``dataset``) of calibration items outside the test share, rescored by
-    ``benchmarks/drift_trace.py --score`` into ``folder`` (``*-rest.jsonl``): what a refitted
-    artifact's ``drift_reference`` adds to a group besides its test items."""
+def scored_records(folder: Path | None, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
+    """The usable score records (with ``dataset``) of the caches ``folder/pattern``."""
     from guarduq.calibration.evaluation import ScoreCache
 
-    out: list[dict[str, Any]] = []
-    for path in sorted(glob.glob(str(folder / "*-rest.jsonl"))) if folder else []:
-        out += [{**r.scores, "dataset": r.dataset} for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
-    return out
+    paths = sorted(glob.glob(str(folder / pattern))) if folder else []
+    return [{**r.scores, "dataset": r.dataset} for path in paths
+            for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+
+
+def calibration_items(folder: Path | None) -> list[dict[str, Any]]:
+    """Calibration items outside the test share, rescored by ``benchmarks/drift_trace.py --score``
+    into ``folder`` (``*-rest.jsonl``): what a refitted artifact's ``drift_reference`` adds to a
+    group besides its test items."""
+    return scored_records(folder, "*-rest.jsonl")
 
 
 def cache_reference(folder: Path) -> GroupReference:
     """Every usable item of the calibration score caches in ``folder``, with its dataset: the
     reference a calibrator refitted on them stores (``drift_reference``), before refitting it."""
-    from guarduq.calibration.evaluation import ScoreCache
-
-    recs = [{**r.scores, "dataset": r.dataset} for path in sorted(glob.glob(str(folder / "*.jsonl")))
-            for r in ScoreCache(path, read_only=True).entries.values() if r.usable]
+    recs = scored_records(folder)
     counts = ", ".join(f"{g} {n}" for g, n in sorted(Counter(r["dataset"] for r in recs).items()))
     return group_reference(recs, FEATURES, f"calibration items in {folder} ({counts})")
 
