@@ -2,11 +2,18 @@
 real SmolLM2 behind ``guarduq serve`` with a store and the review page, labels typed in a real
 browser, ``guarduq calibrate --dataset reviews``, and a hot reload that later replies name.
 
-With the 28 labels a first session gives, nothing certifies at the policy's alpha, and the loop
-fails safe: step 5 refuses and leaves the live calibrator untouched; a calibrator written anyway
-(``--allow-uncertified``) is refused by the reload with a 422 while the old pair serves; only an
-admin's ``?force=true`` puts it live, and then withheld replies say why without quoting a risk.
-Without a key, every route refuses a DNS-rebinding Host.
+With the 28 labels a first session gives, nothing usually certifies at the policy's alpha, and
+the loop fails safe: step 5 refuses and leaves the live calibrator untouched; a calibrator written
+anyway (``--allow-uncertified``) is refused by the reload with a 422 while the old pair serves;
+only an admin's ``?force=true`` puts it live, and then withheld replies say why without quoting a
+risk. Without a key, every route refuses a DNS-rebinding Host.
+
+"Usually": at alpha 0.7 as few as three right labels at the lowest risks of the threshold split
+can certify (0.3^3 <= delta/2), which a draw of request ids gives now and then (in about one run
+of five to ten). The test knows each label and each reply's split, so it asserts what the draw
+implies: a refusal whenever the threshold split holds at most two right labels, either outcome
+(checked) otherwise. The rest of the walkthrough then goes on down the path the draw took: the
+refusals (most runs), or the certified calibrator going live.
 
 Each step below carries the README's step number. Only the labelling is automated (the test
 knows each question's answer); everything else is the commands the README gives.
@@ -109,15 +116,27 @@ def _label_in_browser(base: str, store: Store, asked: dict[str, list[str]]) -> i
     return labelled
 
 
-def _empty_splits(asked: dict[str, list[str]], policy: Path) -> set[str]:
-    """The threshold and test splits that none of the labelled replies' id hashes fall in, at
-    the policy's review fractions (every reply is in the uniform sample at rate 1.0)."""
+def _splits(asked: dict[str, list[str]], policy: Path) -> dict[str, str]:
+    """Each labelled reply's split, by its id hash at the policy's review fractions (every reply
+    is in the uniform sample at rate 1.0)."""
     from guarduq.calibration.splits import split_of
     from guarduq.policy import Policy
 
     review = Policy.from_yaml(policy).config.review
     fractions = {"test_fraction": review.test_fraction, "threshold_fraction": review.threshold_fraction}
-    return {"threshold", "test"} - {split_of(f"reviews:{rid}", **fractions) for rid in asked}
+    return {rid: split_of(f"reviews:{rid}", **fractions) for rid in asked}
+
+
+def _empty_splits(asked: dict[str, list[str]], policy: Path) -> set[str]:
+    """The threshold and test splits that none of the labelled replies fall in."""
+    return {"threshold", "test"} - set(_splits(asked, policy).values())
+
+
+def _may_certify(threshold_right: int, alpha: float, delta: float) -> bool:
+    """Whether any accepted set of the threshold split could certify ``alpha``: each of the README's
+    two fixed sequences tests at delta/2, and the most a set with r right labels can show is r
+    right of r (more wrong ones only raise the bound), which passes when (1 - alpha)^r <= delta/2."""
+    return (1 - alpha) ** threshold_right <= delta / 2
 
 
 @pytest.mark.skipif(not TRIVIAQA.is_file(), reason=f"TriviaQA not found at {TRIVIAQA} (set GUARDUQ_DATA)")
@@ -155,19 +174,22 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     finally:
         store.close()
 
-    # Step 5: recalibrate from the reviews, into the file the policy names. 28-odd labels certify
-    # nothing at the policy's alpha: refused, the live file untouched, and how many more it needs.
+    # Step 5: recalibrate from the reviews, into the file the policy names. 28-odd labels usually
+    # certify nothing at the policy's alpha: refused, the live file untouched, how many more it needs.
     live = mine / "calibrator.json"
     step5 = [GUARDUQ, "calibrate", "--dataset", "reviews", "--store", server["store"], "--policy",
              str(mine / "policy.yaml"), "--out", str(live), "--report", str(mine / "report"),
              "--work", str(tmp_path / "runs"), "--no-progress", "--json"]
+    in_threshold = [rid for rid, split in _splits(asked, mine / "policy.yaml").items() if split == "threshold"]
+    right = sum(alias_match(_reply_text(server["store"], rid), asked[rid]) for rid in in_threshold)
     out = subprocess.run(step5, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
-    assert "no alpha asked for (0.7) has a certified threshold" in out.stderr and "is left unchanged" in out.stderr
-    assert "more labels of the uniform sample needed" in out.stderr or "no number of labels" in out.stderr
-    assert hashlib.sha256(live.read_bytes()).hexdigest() == shipped
     export = next((tmp_path / "runs" / "reviews").glob("reviews-*.jsonl"))
     assert export.stat().st_mode & 0o777 == 0o600  # prompt and reply text: owner only
+    if out.returncode == 0:  # the draw put enough right labels at the lowest risks: it certified
+        assert _may_certify(right, 0.7, 0.1), (right, out.stdout[-2000:])
+        _certified_goes_live(base, json.loads(out.stdout), live, shipped)
+        return
+    _refused(out, live, shipped)
 
     # Written anyway, it is refused by the reload (step 6), and the shipped pair keeps serving.
     out = subprocess.run([*step5, "--allow-uncertified"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -177,15 +199,14 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
     assert new != shipped and report["reviews"]["uniform"] == len(asked)
     assert sum(report["split_sizes"].values()) == len(asked)
     assert (mine / "report" / "report.html").is_file()
-    admin = {"Authorization": f"Bearer {ADMIN}"}
-    r = httpx.post(base + "/admin/reload", headers=admin, timeout=120)
+    r = httpx.post(base + "/admin/reload", headers=_ADMIN_HEADERS, timeout=120)
     assert r.status_code == 422 and r.json()["error"]["code"] == "uncertified_pair", r.text
     assert "can never match" in r.json()["error"]["message"]
     assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == shipped
     assert _ask(base, "What is the capital of France?")["calibrator_sha256"] == shipped
 
     # Step 6 forced by an admin: the new calibrator is live, and a withheld reply says why.
-    r = httpx.post(base + "/admin/reload?force=true", headers=admin, timeout=120)
+    r = httpx.post(base + "/admin/reload?force=true", headers=_ADMIN_HEADERS, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["changed"] and r.json()["new"]["calibrator_sha256"] == new
     assert httpx.get(base + "/readyz").json()["calibrator_sha256"] == new
@@ -200,3 +221,36 @@ def test_readme_walkthrough(server: dict[str, Any], mine: Path, tmp_path: Path) 
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
     assert "--allow-uncertified" in out.stderr and "can never match" in out.stderr, out.stderr[-3000:]
+
+
+_ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def _certified_goes_live(base: str, report: dict[str, Any], live: Path, shipped: str) -> None:
+    """The other outcome of step 5's draw: alpha 0.7 certified, so the file is replaced and step 6
+    puts it live with a 200 (the refusals are then left to tests/unit/test_reload.py and
+    test_uncertified_live.py, which fix their labels)."""
+    fitted = {t["alpha"]: t["threshold"] for t in report["thresholds"]}
+    new = hashlib.sha256(live.read_bytes()).hexdigest()
+    assert fitted[0.7] is not None and new == report["sha256"] != shipped
+    r = httpx.post(base + "/admin/reload", headers=_ADMIN_HEADERS, timeout=120)
+    assert r.status_code == 200 and r.json()["new"]["calibrator_sha256"] == new, r.text
+    assert _ask(base, "What is the capital of France?")["calibrator_sha256"] == new
+
+
+def _reply_text(store_url: str, rid: str) -> str:
+    store = Store(store_url)
+    try:
+        item = store.item(rid)
+        assert item is not None and item.reply.response is not None
+        return item.reply.response
+    finally:
+        store.close()
+
+
+def _refused(out: subprocess.CompletedProcess[str], live: Path, shipped: str) -> None:
+    """Step 5's refusal: exit 2, saying why and what would do, the live calibrator untouched."""
+    assert out.returncode == 2, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "no alpha asked for (0.7) has a certified threshold" in out.stderr and "is left unchanged" in out.stderr
+    assert "more labels of the uniform sample needed" in out.stderr or "no number of labels" in out.stderr
+    assert hashlib.sha256(live.read_bytes()).hexdigest() == shipped
