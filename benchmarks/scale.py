@@ -11,7 +11,9 @@ Per model (no model is loaded; caches are read from private copies, so live ones
 * AUROC for wrong answers of each single signal (test split, bootstrap 95% intervals), pooled and
   per dataset, including ``log_epistemic_norm`` = log ||grad log p̄||²;
 * the calibrated risk (``same-pass``, fitted pooled on the fit split, as the shipped calibrators
-  are) pooled and per dataset, and the mean/min over datasets left out of the fit;
+  are) pooled and on each dataset's test items, and, beside it, a fit on each dataset's own fit
+  split (what a calibrator for that kind of traffic alone would do), and the mean/min over datasets
+  left out of the fit;
 * the gain of the gradient features, paired on the pooled test split: ``same-pass`` against the
   same set without any gradient feature, and each of ``log_epistemic`` and ``log_epistemic_norm``
   added alone to that set;
@@ -39,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pages import write_page  # noqa: E402
-from risk import labelled, load_cache, parts  # noqa: E402
+from risk import group_of, labelled, load_cache, parts  # noqa: E402
 
 from guarduq.calibration.analysis import (  # noqa: E402
     Candidate,
@@ -50,6 +52,7 @@ from guarduq.calibration.analysis import (  # noqa: E402
     single_signals,
 )
 from guarduq.calibration.features import GRAD_PROFILE, LIKELIHOOD  # noqa: E402
+from guarduq.calibration.splits import split_of  # noqa: E402
 
 ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 DELTA = 0.1
@@ -78,8 +81,9 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
     res: dict[str, Any] = {"model": model, "n": len(records), "datasets": {}, "pooled": {}}
     n_params = {r.scores.get("n_params") for r in records if r.scores.get("n_params")}
     res["n_params"] = max(n_params) if n_params else None
-    cells = {d: parts(rs) for d, rs in sorted(by_ds.items())}
-    cells["pooled"] = parts(records)
+    cells = {"pooled": parts(records)} | {d: parts(rs) for d, rs in sorted(by_ds.items())}
+    test_ds = np.array([r.dataset for r in records if split_of(group_of(r.id)) == "test"])
+    pooled_risk: Any = None
     for d, split in cells.items():
         test_scores, y = split["test"]
         wrong = 1 - y
@@ -108,7 +112,12 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
                                                                     n_boot=n_boot)
         if d == "pooled":
             res["pooled"] = cell
+            pooled_risk = fits[RISK_SET].get("risk")
         else:
+            if pooled_risk is not None:  # the pooled calibrator on this dataset's test items
+                mask = test_ds == d
+                cell["pooled_fit"] = bootstrap_auroc(1 - cells["pooled"]["test"][1][mask],
+                                                     np.asarray(pooled_risk)[mask], n_boot=n_boot)
             res["datasets"][d] = cell
     if len(by_ds) >= 3:
         lodo = leave_one_dataset_out({d: labelled(rs) for d, rs in by_ds.items()},
@@ -176,21 +185,26 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
 
     def cost(m: str, key: str) -> str:
         c = costs.get(m, {})
+        s = c.get("short")
         if key == "short":
-            s = c.get("short")
             return f"{s['ratio']['all']:.2f}× / {s['ratio']['last_n_blocks=2']:.2f}×" if s else "–"
+        if key == "seconds":  # per answer, the fastest repeat of the run
+            return "–" if not s or "seconds" not in s else ("/".join(f"{s['seconds'][k] / s['n']:.0f}" for k in ("unguarded", "all", "last_n_blocks=2"))
+                    + f" s ({s['tokens']} tokens)")
         d = c.get("dtype", {}).get("float32")
         return f"{d['peak'] / 2**30:.1f} GB" if d else "–"
 
     lines.append("| guarded ÷ unguarded short answer, all / last 2 blocks | " + " | ".join(cost(m, "short") for m in models) + " |")
+    lines.append("| seconds per answer: unguarded / all / last 2 blocks | " + " | ".join(cost(m, "seconds") for m in models) + " |")
     lines.append("| peak memory while scoring (fp32) | " + " | ".join(cost(m, "peak") for m in models) + " |")
     lines += ["", "![AUROC against model size](scale_auroc.png)", "",
               "## Per dataset: the calibrated risk and each single signal (test split)", ""]
     for r in results:
-        lines += [f"### {r['model']}", "", "| data | n test | risk | " + " | ".join(SIGNALS) + " |",
-                  "|---|---:|---:|" + "---:|" * len(SIGNALS)]
+        lines += [f"### {r['model']}", "", "| data | n test | risk, pooled fit | risk, own fit | "
+                  + " | ".join(SIGNALS) + " |", "|---|---:|---:|---:|" + "---:|" * len(SIGNALS)]
         for d, c in [*r["datasets"].items(), ("pooled", r["pooled"])]:
-            lines.append(f"| {d} | {c['n_test']} | {_f(c['risk'][RISK_SET].get('auroc', (None,))[0])} | "
+            own = c["risk"][RISK_SET].get("auroc", (None,))
+            lines.append(f"| {d} | {c['n_test']} | {_ci(c.get('pooled_fit', own))} | {_f(own[0])} | "
                          + " | ".join(_f(c["singles"].get(s, (None,))[0]) for s in SIGNALS) + " |")
         if r.get("lodo"):
             lines += ["", "Left out of the fit (fitted on the other datasets, tested on all of this one):", "",

@@ -37,7 +37,8 @@ def test_scale_table_finds_the_gradient_gain_only_where_it_exists(tmp_path: Path
     _cache(tmp_path / "small.jsonl", informative=False, n_params=135_000_000, seed=1)
     _cache(tmp_path / "big.jsonl", informative=True, n_params=1_500_000_000, seed=2)
     cost = tmp_path / "cost.json"
-    cost.write_text(json.dumps({"short": {"ratio": {"all": 2.5, "last_n_blocks=2": 1.2}}}))
+    cost.write_text(json.dumps({"short": {"n": 6, "tokens": 32, "ratio": {"all": 2.5, "last_n_blocks=2": 1.2},
+                                          "seconds": {"unguarded": 60.0, "all": 150.0, "last_n_blocks=2": 72.0}}}))
     mod = load_benchmark("scale")
     out = tmp_path / "out"
     assert mod.main(["--cache", f"small={tmp_path}/small.jsonl", "--cache", f"big={tmp_path}/big.jsonl",
@@ -50,8 +51,14 @@ def test_scale_table_finds_the_gradient_gain_only_where_it_exists(tmp_path: Path
     assert res["big"]["pooled"]["singles"]["log_epistemic_norm"][0] > 0.7
     assert abs(res["small"]["pooled"]["singles"]["log_epistemic_norm"][0] - 0.5) < 0.06
     assert set(res["big"]["lodo"]) == {"a", "b", "c", "d"}
+    # The four datasets are drawn alike, so the pooled calibrator ranks each one's test items about
+    # as well as the pooled test split; each dataset's slice is its own test items only.
+    pooled = res["big"]["pooled"]["risk"]["same-pass"]["auroc"][0]
+    for d, cell in res["big"]["datasets"].items():
+        assert abs(cell["pooled_fit"][0] - pooled) < 0.1, (d, cell["pooled_fit"], pooled)
+    assert sum(c["n_test"] for c in res["big"]["datasets"].values()) == res["big"]["pooled"]["n_test"]
     page = (out / "scale.md").read_text()
     for needle in ("| parameters | 135 M | 1,500 M |", "gain of + log_epistemic_norm", "strictest α certified",
-                   "2.50× / 1.20×", "### big"):
+                   "2.50× / 1.20×", "10/25/12 s (32 tokens)", "### big", "risk, pooled fit"):
         assert needle in page, needle
     assert (out / "scale_auroc.png").stat().st_size > 5000
