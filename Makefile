@@ -299,13 +299,17 @@ $(BENCH_STAMP): $(STAMP)
 # M=8. Not yet timed in this configuration: the first page's times (below) were taken under bf16
 # autocast, which this VM's CPU emulates (c4182e2), so they do not carry over. The Qwen cells need
 # `make model-qwen-0.5b` / `make model-qwen-1.5b` and are skipped, with that message, without them.
-# Every stage resumes from runs/ensembles.
+# Every stage resumes from $(SCORES)/ensembles/<cell>/: each finished fit's predictions and its
+# json (a few MB a cell) are committed, so a new session's clone goes on where the last stopped;
+# the frozen blocks' states (about 1 GB a cell, rebuilt in minutes) stay git-ignored. float32
+# throughout (--no-bf16), since sessions land on CPUs with and without native bf16 and a stage's
+# key names its dtype.
 ENSEMBLES_ARGS ?=
 ENSEMBLES_FAIR ?= --sve-parametrisation relative --sve-bias scaled --lr-sve 1e-3,3e-3,1e-2,3e-2 \
-  --sve-members 8 --members 8 --report-m 4,8 --sigma-grid 0.02 --deep-perturb 0.15
+  --sve-members 8 --members 8 --report-m 4,8 --sigma-grid 0.02 --deep-perturb 0.15 --no-bf16
 ENSEMBLES_CELLS ?= smollm2:arc,gemma:arc,smollm2:csqa,smollm2:sst2,qwen05:arc,qwen15:arc
 ensembles: $(BENCH_STAMP)
-	@$(PY) benchmarks/ensembles.py --work runs/ensembles --out docs/ensembles/fair --cells $(ENSEMBLES_CELLS) \
+	@$(PY) benchmarks/ensembles.py --work $(SCORES)/ensembles --out docs/ensembles/fair --cells $(ENSEMBLES_CELLS) \
 	  $(ENSEMBLES_FAIR) --sve-transfer-from smollm2:arc $(ENSEMBLES_ARGS)
 
 # The first page (docs/ensembles/README.md), as it was made: raw SVE, baselines at M=4 whose members

@@ -73,6 +73,7 @@ from _ensemble_page import render  # noqa: E402
 from _ensemble_report import first_member, report_cell  # noqa: E402
 from _ensemble_select import MAX_EXTENSIONS, search_rate, transferred_rate  # noqa: E402
 
+from guarduq._storage import write_atomic  # noqa: E402
 from guarduq.calibration.datasets import default_data_dir  # noqa: E402
 from guarduq.cli.sve import SST2_LABEL_WORDS, read_sst2  # noqa: E402
 from guarduq.errors import ModelNotFoundError  # noqa: E402
@@ -243,7 +244,7 @@ class Stages:
         tmp = self.work / f"{key}.tmp.npz"
         np.savez(tmp, **arrays)
         os.replace(tmp, npz)
-        meta.write_text(json.dumps(info))
+        write_atomic(meta, json.dumps(info).encode())  # last: a stage counts as done with both files
         return arrays, info
 
 
