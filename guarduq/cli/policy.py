@@ -1,4 +1,5 @@
-"""``guarduq policy check [--strict] FILE`` and ``guarduq policy explain FILE --prompt ... [--response ...]``."""
+"""``guarduq policy check [--strict] FILE``, ``guarduq policy explain FILE --prompt ... [--response ...]``
+and ``guarduq policy init --calibrator CAL --out FILE``."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=_cmd_explain)
 
+    i = psub.add_parser(
+        "init", help="write a first policy for a calibrator: allow within the threshold certified at "
+                     "the strictest alpha it certifies (or --alpha), abstain otherwise",
+        **with_example("guarduq policy init --calibrator mine.json --out my.yaml"),
+    )
+    i.add_argument("--calibrator", type=Path, required=True, help="the calibrator JSON the policy uses")
+    i.add_argument("--out", type=Path, required=True, help="the policy YAML to write")
+    i.add_argument("--alpha", type=float, help="an alpha the calibrator certifies (default: its strictest)")
+    i.add_argument("--name", help="the policy's name (default: the file's stem)")
+    i.add_argument("--force", action="store_true", help="replace an existing --out")
+    i.set_defaults(func=_cmd_init)
+
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate each file; report the threshold each threshold rule will use. Exit 2 on an
@@ -85,6 +98,27 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 if args.strict:
                     status = max(status, 1)
     return status
+
+
+def _cmd_init(args: argparse.Namespace) -> int:
+    """Write the starter policy, then check it as ``policy check --strict`` would. Exit 2, writing
+    nothing, when the calibrator certifies no alpha (or not ``--alpha``) or ``--out`` exists."""
+    from guarduq._storage import write_atomic
+    from guarduq.policy.starter import choose_alpha, starter_policy
+
+    if args.out.exists() and not args.force:
+        print(f"guarduq: error: {args.out} exists; pass --force to replace it", file=sys.stderr)
+        return 2
+    calibrator = _calibrator_loader()(args.calibrator)
+    alpha = choose_alpha(calibrator, args.alpha)  # PolicyError: exit 2 with the reason
+    text = starter_policy(calibrator, args.calibrator, args.out, alpha, name=args.name)
+    config, issues = validate_policy_text(text, str(args.out))
+    assert config is not None and not issues, issues  # the template is valid by construction
+    write_atomic(args.out, text.encode())
+    report = check_policy_thresholds(Policy.from_yaml(args.out), _calibrator_loader())
+    assert report.warning is None, report.warning
+    print(f"wrote {args.out}: alpha {alpha:g}, risk <= {report.threshold:g} allowed ({_provenance(report)})")
+    return 0
 
 
 def _second_stage_line(policy: Policy, loader: Callable[[Path], Any]) -> tuple[str, str | None]:

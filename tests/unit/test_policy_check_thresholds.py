@@ -8,13 +8,13 @@ import re
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from guarduq.calibration import Calibrator
 from guarduq.cli import main
 from guarduq.policy import Policy
 from guarduq.policy.certified import certified_thresholds, threshold_rules
+from tests.unit.calibrator_helpers import synthetic_calibrator
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "policies").glob("*.yaml"))
@@ -25,17 +25,8 @@ CERTIFIED, UNCERTIFIED, UNFITTED = 0.6, 0.01, 0.25
 def calibrator_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small fitted calibrator: alpha 0.6 certified; alpha 0.01 cannot be (100 threshold items
     are fewer than the 161 that even zero errors need at delta 0.2)."""
-    rng = np.random.default_rng(0)
-    log_e = rng.normal(0, 1, 400)
-    wrong = rng.random(400) < 1 / (1 + np.exp(-2 * log_e))
-    scores = [{"epistemic": math.exp(v), "aleatoric": float(a), "mean_logprob": -float(a), "valid": True}
-              for v, a in zip(log_e, rng.uniform(0, 0.25, 400), strict=True)]
-    cal = Calibrator("paper", C=1.0, model_name="tiny", model_fingerprint="ab" * 16)
-    cal.fit(scores[:200], (~wrong[:200]).astype(int))
-    cal.fit_thresholds(scores[200:300], (~wrong[200:300]).astype(int), alphas=(UNCERTIFIED, CERTIFIED),
-                       delta=0.2)
     path = tmp_path_factory.mktemp("cal") / "cal.json"
-    cal.save(path, include_evaluation_data=False)
+    synthetic_calibrator(path, n_fit=200, n_threshold=100, alphas=(UNCERTIFIED, CERTIFIED), delta=0.2)
     return path
 
 

@@ -1,0 +1,97 @@
+"""A first policy for a calibrator: allow within the threshold certified at the strictest alpha it
+certifies, abstain otherwise. What ``guarduq policy init`` writes, so that a user who fitted a
+calibrator for their own model never hand-picks an alpha the calibrator cannot back.
+
+Pure: reads the calibrator's thresholds (``thresholds_``), returns YAML text; no file access.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from guarduq.errors import PolicyError
+
+
+def certified_alphas(calibrator: Any) -> list[float]:
+    """The alphas with a certified threshold, smallest (strictest) first."""
+    return sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ()) if t.threshold is not None})
+
+
+def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
+    """``alpha`` if the calibrator certifies it, else the strictest alpha it does certify.
+
+    Raises PolicyError when the asked alpha is not certified or nothing is: a policy whose allow
+    rule can never match would withhold every reply while looking configured.
+    """
+    ok = certified_alphas(calibrator)
+    if not ok:
+        fitted = sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ())})
+        raise PolicyError(f"the calibrator certifies no alpha (fitted for {_alphas(fitted) or 'none'}): "
+                          "label more answers and refit it before writing a policy on it")
+    if alpha is None:
+        return ok[0]
+    if not any(math.isclose(alpha, a) for a in ok):
+        raise PolicyError(f"the calibrator does not certify alpha {alpha:g}; it certifies {_alphas(ok)}")
+    return alpha
+
+
+def starter_policy(calibrator: Any, calibrator_path: Path, out: Path, alpha: float, *,
+                   name: str | None = None) -> str:
+    """The YAML of a two-rule policy on ``calibrator`` (read from ``calibrator_path``) at
+    ``alpha``, naming the calibrator relative to ``out``'s folder as policies do."""
+    rec = next(t for t in calibrator.thresholds_ if math.isclose(float(t.alpha), alpha))
+    rel = Path(os.path.relpath(calibrator_path.resolve(), out.resolve().parent)).as_posix()
+    model = calibrator.model_name or "unknown"
+    name = name or out.stem
+    coverage = f", coverage {rec.coverage:.0%} of its threshold split" if getattr(rec, "coverage", None) else ""
+    delta = getattr(rec, "delta", None) or 0.1
+    return f"""\
+# Written by `guarduq policy init` for the calibrator {rel} (model {model}).
+#
+# Answer when the calibrated risk is within the threshold certified for alpha = {alpha:g}
+# (risk <= {rec.threshold:.4g}{coverage}); otherwise abstain and say why.
+# alpha {alpha:g} is the {"strictest alpha the calibrator certifies" if alpha == certified_alphas(calibrator)[0]
+                         else "alpha asked for"}; it certifies {_alphas(certified_alphas(calibrator))}.
+# The guarantee (delta {delta:g}): on answers drawn like the calibration data, at most
+# {alpha:.0%} of the answers this policy lets through are wrong, except with probability {delta:g}
+# over the calibration draw. It says nothing about a single answer, or about traffic unlike the
+# calibration data (README: "What the guarantee promises").
+#
+# Check it:  guarduq policy check --strict {out.name}
+name: {_yaml_str(name)}
+version: "1.0"
+description: Answer when the calibrated risk is within the alpha = {alpha:g} certified threshold, abstain otherwise.
+model: {_yaml_str(model)}
+calibrator: {_yaml_str(rel)}   # relative to this file
+alpha: {alpha:g}
+mode: enforce
+on_error:
+  action: abstain
+  message: "I can't check this answer right now, so I won't give it."
+rules:
+  - name: confident
+    description: calibrated risk within the certified threshold (alpha {alpha:g}, delta {delta:g})
+    when:
+      risk: {{le: threshold}}
+    action: allow
+  - name: uncertain
+    action: abstain
+    message: >-
+      I'm not confident enough to answer this reliably
+      (estimated chance of a wrong answer: {{risk:.0%}}).
+"""
+
+
+def _alphas(values: Sequence[float]) -> str:
+    return ", ".join(f"{a:g}" for a in values)
+
+
+def _yaml_str(text: str) -> str:
+    """A YAML double-quoted scalar (JSON's escaping is valid YAML), so a path or name with
+    a colon, a quote or a leading symbol stays one string."""
+    return json.dumps(text, ensure_ascii=False)
