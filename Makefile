@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -170,6 +170,23 @@ define risk_rounds
 for n in $(SCALE_ROUNDS); do nice -n 10 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) \
   --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
   --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified --out $(SCALE_RUNS)/risk/$(1).json || exit 1; done
+endef
+
+# A calibrator and policy for a scale model, fitted as SmolLM2's is (`make calibrator`): its
+# answers to the seven QA sets (QWEN_CAL_LIMIT a dataset: the last round of risk-data-qwen-*;
+# any not yet in $(SCALE_RUNS) are scored first, hours), into policies/calibrators/<alias>.json,
+# then `guarduq policy init` writes policies/<alias>.yaml at the strictest alpha it certifies (a
+# calibrator that certifies none is refused, and nothing is written). A minute from a full cache.
+QWEN_CAL_LIMIT ?= 504
+calibrator-qwen-0.5b: model-qwen-0.5b
+	@$(call scale_calibrator,qwen2.5-coder-0.5b-instruct)
+calibrator-qwen-1.5b: model-qwen-1.5b
+	@$(call scale_calibrator,qwen2.5-coder-1.5b-instruct)
+define scale_calibrator
+$(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) --model $(1) $(QA_SETS) --limit $(QWEN_CAL_LIMIT) \
+  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 \
+  --runs-dir $(SCALE_RUNS) --out policies/calibrators/$(1).json --report docs/calibration/$(1) && \
+$(VENV)/bin/guarduq policy init --force --calibrator policies/calibrators/$(1).json --out policies/$(1).yaml
 endef
 
 # The scale table (docs/results/scale/): every model whose caches exist, from the caches alone (a

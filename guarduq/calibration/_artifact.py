@@ -158,12 +158,21 @@ def strict_json(obj: Any) -> Any:
     return obj
 
 def fitted_for(path: Path, model: str | None) -> str:
-    """Where a calibrator for ``model`` sits beside ``path`` (``policies/calibrators/<model>.json``),
-    and the shipped policy that uses it (``policies/<model>.yaml``): what to pass instead."""
+    """What to pass instead for ``model``: a calibrator fitted for it beside ``path``
+    (``policies/calibrators/<model>.json``) and the shipped policy that uses it
+    (``policies/<model>.yaml``), or, for an alias none ships for yet, the command that fits one."""
+    from guarduq.aliases import ALIASES  # torch-free
+
     if not model or "/" in model:
         return ""
     sibling = path.with_name(f"{model}.json")
-    if sibling == path or not sibling.is_file():
+    if sibling == path:
         return ""
-    policy = path.parent.parent / f"{model}.yaml"
-    return f"pass {sibling}, fitted for it" + (f" (its policy: {policy})" if policy.is_file() else "")
+    if sibling.is_file():
+        policy = path.parent.parent / f"{model}.yaml"
+        return f"pass {sibling}, fitted for it" + (f" (its policy: {policy})" if policy.is_file() else "")
+    alias = ALIASES.get(model)
+    if alias is not None and alias.calibrate:
+        return (f"none ships for it yet: `{alias.calibrate}` fits one into policies/calibrators/{model}.json "
+                f"and writes its policy, policies/{model}.yaml")
+    return ""

@@ -419,8 +419,7 @@ class Calibrator:
             msg = (
                 f"calibrator was fitted for model '{self.model_name}' (fingerprint "
                 f"{self.model_fingerprint}), not for {this} (fingerprint {fingerprint}); raw "
-                f"scores do not transfer across models: {hint or 'fit a calibrator for ' + this} "
-                "(guarduq calibrate --model ...)"
+                f"scores do not transfer across models: {hint or _fit_one(this)}"
             )
             if not allow_mismatch:
                 raise FingerprintMismatchError(msg)
@@ -592,3 +591,9 @@ def _parameter_set(s: ScoreLike) -> str:
     """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
     value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
     return str(value) if value else ALL_PARAMETERS
+
+
+def _fit_one(model: str) -> str:
+    """How a user gets a calibrator (and a policy on it) for a model none ships for."""
+    return (f"fit a calibrator for {model} (guarduq calibrate --model ... --out mine.json), then write "
+            "a policy on it (guarduq policy init --calibrator mine.json --out mine.yaml)")

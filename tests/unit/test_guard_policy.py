@@ -178,6 +178,7 @@ def test_a_policy_whose_calibrator_is_another_models_names_both_and_the_right_fi
     msg = str(err.value)
     assert "qwen.yaml" in msg and "fitted for model 'qwen2.5-coder-1.5b-instruct'" in msg
     assert f"not for model '{name}'" in msg and "pass " not in msg  # none fitted for it beside the other
+    assert "guarduq calibrate --model" in msg and "guarduq policy init" in msg  # how to get one
     (tmp_path / "cals" / f"{name}.json").write_text(calibrator_path.read_text())
     with pytest.raises(FingerprintMismatchError) as err:
         Guard((llama, tokenizer), policy=path)
@@ -214,3 +215,17 @@ def test_the_sve_result_type_is_accepted_as_a_second_opinion():
     opinion = SVEOpinion(member_mean_probs=[0.5, 0.7], mean_prob=0.6, variance=0.01,
                          mutual_information=0.02, agrees=None)
     assert SecondOpinion.coerce(opinion) == SecondOpinion(0.6, 0.01, 0.02, None, (0.5, 0.7))
+
+
+def test_an_alias_none_ships_for_is_told_the_make_target_that_fits_one(tmp_path):
+    """A scale model's user, on the default policy: where no calibrator sits beside the foreign
+    one, the alias's own target that fits one (and writes its policy) is named."""
+    from guarduq.calibration._artifact import fitted_for
+
+    shipped = tmp_path / "calibrators" / "smollm2-135m-instruct.json"
+    hint = fitted_for(shipped, "qwen2.5-coder-1.5b-instruct")
+    assert "`make calibrator-qwen-1.5b`" in hint and "policies/qwen2.5-coder-1.5b-instruct.yaml" in hint
+    assert fitted_for(shipped, "my-own-model") == ""  # not an alias: the generic advice applies
+    (tmp_path / "calibrators").mkdir()
+    (tmp_path / "calibrators" / "qwen2.5-coder-1.5b-instruct.json").write_text("{}")
+    assert fitted_for(shipped, "qwen2.5-coder-1.5b-instruct").startswith("pass ")  # one sits there now
