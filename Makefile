@@ -177,14 +177,20 @@ endef
 # any not yet in $(SCALE_RUNS) are scored first, hours), into policies/calibrators/<alias>.json,
 # then `guarduq policy init` writes policies/<alias>.yaml at the strictest alpha it certifies (a
 # calibrator that certifies none is refused, and nothing is written). A minute from a full cache.
+# QWEN_CAL_SET: the parameters the gradient covers, which serving then uses too. The last 2
+# blocks cost the 1.5B 1.07x an unguarded answer against 2.33x for all (docs/results/scale/);
+# the caches were scored over all parameters, and the cache reads any last_n_blocks=N off their
+# per-block profile exactly, so changing it rescores nothing. `make frontier-scale` shows what
+# each set keeps of the risk.
 QWEN_CAL_LIMIT ?= 504
+QWEN_CAL_SET ?= last_n_blocks=2
 calibrator-qwen-0.5b: model-qwen-0.5b
 	@$(call scale_calibrator,qwen2.5-coder-0.5b-instruct)
 calibrator-qwen-1.5b: model-qwen-1.5b
 	@$(call scale_calibrator,qwen2.5-coder-1.5b-instruct)
 define scale_calibrator
 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) --model $(1) $(QA_SETS) --limit $(QWEN_CAL_LIMIT) \
-  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 \
+  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 --parameter-set $(QWEN_CAL_SET) \
   --runs-dir $(SCALE_RUNS) --out policies/calibrators/$(1).json --report docs/calibration/$(1) && \
 $(VENV)/bin/guarduq policy init --force --calibrator policies/calibrators/$(1).json --out policies/$(1).yaml
 endef

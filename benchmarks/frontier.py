@@ -7,7 +7,7 @@
 Every cache line of an all-parameter pass holds the gradient's profile by group (embeddings,
 each block's attention / MLP / norms, final norm, head). The gradient over a union of groups is
 the full gradient restricted to them, so one all-parameter pass gives every such subset's
-scores (``analysis.restrict_profile``; tested against scoring the subset directly). For each
+scores (``features.restrict_profile``; tested against scoring the subset directly). For each
 subset: AUROC of ``log_epistemic`` alone and of the calibrated ``same-pass`` risk (one pooled
 calibrator, risk.py's id-hash splits), each with a bootstrap interval and a paired bootstrap
 difference against all parameters on the same test items; per dataset; leave one dataset out;
@@ -41,10 +41,9 @@ from guarduq.calibration.analysis import (  # noqa: E402
     fit_and_test,
     leave_one_dataset_out,
     paired_bootstrap_diff,
-    restrict_profile,
     single_signals,
 )
-from guarduq.calibration.features import FEATURE_SETS, feature_matrix  # noqa: E402
+from guarduq.calibration.features import FEATURE_SETS, feature_matrix, restrict_profile  # noqa: E402
 from guarduq.calibration.splits import split_of  # noqa: E402
 from guarduq.scoring.uncertainty import parameter_set_id  # noqa: E402
 

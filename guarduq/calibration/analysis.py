@@ -28,7 +28,6 @@ from scipy.stats import rankdata
 from guarduq.calibration.calibrator import MIN_FIT_ITEMS, Calibrator
 from guarduq.calibration.features import (
     ORIENTATION,
-    FeatureUnavailable,
     feature_matrix,
     missing_features,
 )
@@ -107,23 +106,6 @@ def paired_bootstrap_diff(
         return point, None, None
     lo, hi = np.percentile(diffs, [2.5, 97.5])
     return point, float(lo), float(hi)
-
-
-def restrict_profile(score: Mapping[str, Any], keep: Callable[[str], bool], name: str) -> dict[str, Any]:
-    """The score dict a pass over a subset of the parameters would give, read off an all-parameter one.
-
-    The gradient over a subset S of the parameters is the full gradient restricted to S, so
-    ‖∇_S p̄‖² = Σ over the profile groups in S of their ‖·‖², and the pass over S would report
-    exactly those groups as its profile; everything else (p̄, token probabilities, entropy) does
-    not depend on S. ``keep`` says which ``grad_profile`` groups S holds (S must be a union of
-    groups: an LM head tied to the embedding is one group, ``embed``); ``name`` is S's
-    ``parameter_set``. tests/unit/test_long_context.py scores both ways and compares.
-    """
-    prof = score.get("grad_profile")
-    if not isinstance(prof, Mapping) or not prof:
-        raise FeatureUnavailable("grad_profile")
-    kept = {g: float(v) for g, v in prof.items() if keep(str(g))}
-    return {**score, "grad_profile": kept, "epistemic": math.fsum(kept.values()), "parameter_set": name}
 
 
 def single_signals(

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +34,7 @@ from guarduq import batching
 from guarduq._logging import get_logger
 from guarduq._storage import append_line, check_writable
 from guarduq.calibration.datasets import Item
+from guarduq.calibration.features import derive_parameter_set
 from guarduq.calibration.labels import label_choice, label_response
 from guarduq.errors import CacheCorruptError, InputError, ScoringError, StorageError
 
@@ -148,7 +149,15 @@ class ScoreCache:
         self.entries[rec.key] = rec
 
     def get(self, item: Item, fingerprint: str, parameter_set: str = "all") -> ScoredItem | None:
-        return self.entries.get((item.id, item.prompt_hash, fingerprint, parameter_set))
+        """The record for this item, model and parameter set; for ``last_n_blocks=N``, failing
+        that, the all-parameter record read down to those blocks (exact: ``derive_parameter_set``),
+        so a calibrator over the last blocks needs no second scoring of what a frontier scored."""
+        hit = self.entries.get((item.id, item.prompt_hash, fingerprint, parameter_set))
+        if hit is not None or parameter_set == "all":
+            return hit
+        full = self.entries.get((item.id, item.prompt_hash, fingerprint, "all"))
+        derived = derive_parameter_set(full.scores, parameter_set) if full is not None and full.scores else None
+        return None if derived is None else replace(full, scores=derived)  # type: ignore[arg-type]
 
     def append(self, rec: ScoredItem) -> None:
         if self.read_only:

@@ -34,6 +34,45 @@ class FeatureUnavailable(KeyError):
     """The score dict lacks what a feature needs (e.g. ``grad_profile`` in an old cache)."""
 
 
+def restrict_profile(score: Mapping[str, Any], keep: Callable[[str], bool], name: str) -> dict[str, Any]:
+    """The score dict a pass over a subset of the parameters would give, read off an all-parameter one.
+
+    The gradient over a subset S of the parameters is the full gradient restricted to S, so
+    ‖∇_S p̄‖² = Σ over the profile groups in S of their ‖·‖², and the pass over S would report
+    exactly those groups as its profile; everything else (p̄, token probabilities, entropy) does
+    not depend on S. ``keep`` says which ``grad_profile`` groups S holds (S must be a union of
+    groups: an LM head tied to the embedding is one group, ``embed``); ``name`` is S's
+    ``parameter_set``. tests/unit/test_long_context.py scores both ways and compares.
+    """
+    prof = score.get("grad_profile")
+    if not isinstance(prof, Mapping) or not prof:
+        raise FeatureUnavailable("grad_profile")
+    kept = {g: float(v) for g, v in prof.items() if keep(str(g))}
+    return {**score, "grad_profile": kept, "epistemic": math.fsum(kept.values()), "parameter_set": name}
+
+
+_BLOCK_GROUP = re.compile(r"^block\.(\d+)\.")
+_LAST_N_BLOCKS = re.compile(r"^last_n_blocks=(\d+)$")
+
+
+def derive_parameter_set(score: Mapping[str, Any], parameter_set: str) -> dict[str, Any] | None:
+    """``score`` (an all-parameter pass) as a pass over ``parameter_set`` would give it, where its
+    ``grad_profile`` says so exactly: ``last_n_blocks=N`` is the union of the last N blocks'
+    groups (the blocks counted from the profile, which holds every block). None for any other
+    set, or without a profile. Generation does not depend on the set, so neither does the
+    response the score belongs to."""
+    m = _LAST_N_BLOCKS.match(parameter_set)
+    prof = score.get("grad_profile")
+    if m is None or not isinstance(prof, Mapping):
+        return None
+    blocks = [int(b.group(1)) for g in prof if (b := _BLOCK_GROUP.match(str(g)))]
+    if not blocks:
+        return None
+    first = max(blocks) + 1 - int(m.group(1))
+    return restrict_profile(score, lambda g: bool(b := _BLOCK_GROUP.match(g)) and int(b.group(1)) >= first,
+                            parameter_set)
+
+
 def _get(s: Mapping[str, Any], key: str) -> Any:
     value = s.get(key)
     if value is None:

@@ -32,7 +32,7 @@ def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
     if not ok:
         fitted = sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ())})
         raise PolicyError(f"the calibrator certifies no alpha (fitted for {_alphas(fitted) or 'none'}): "
-                          "label more answers and refit it before writing a policy on it")
+                          "refit it on more labelled answers (calibrate says how many) before writing a policy on it")
     if alpha is None:
         return ok[0]
     if not any(math.isclose(alpha, a) for a in ok):

@@ -4,7 +4,7 @@ A selection is named by ``parameter_set_id`` (``all``, ``last_n_blocks=2``, ...)
 recorded in every ``Scores``, cache line and calibrator, since a gradient over another set of
 parameters is another quantity. ``parameter_groups`` labels each selected parameter for the
 ``grad_profile`` (embeddings, each block's attention / MLP / norms, final norm, head), from which
-any union of groups can be read back (``calibration.analysis.restrict_profile``).
+any union of groups can be read back (``calibration.features.restrict_profile``).
 """
 
 from __future__ import annotations

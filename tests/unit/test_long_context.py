@@ -229,7 +229,7 @@ def test_select_parameters_is_unchanged_by_reuse():
 
 def test_restrict_profile_matches_scoring_the_subset():
     """The helper the frontier uses: a subset's score dict read off an all-parameter pass."""
-    from guarduq.calibration.analysis import restrict_profile
+    from guarduq.calibration.features import restrict_profile
 
     model = tiny_llama(layers=4, tie=False).double()
     ids = torch.randint(5, 200, (1, 30), generator=torch.Generator().manual_seed(5))
@@ -239,6 +239,34 @@ def test_restrict_profile_matches_scoring_the_subset():
     assert got["parameter_set"] == "last_n_blocks=2" and got["grad_profile"].keys() == sub.grad_profile.keys()
     assert close(got["epistemic"], sub.epistemic)
     assert got["token_probs"] == list(sub.token_probs)
+
+
+def test_score_cache_reads_the_last_blocks_off_an_all_parameter_record(tmp_path):
+    """A calibrator over the last 2 blocks from a cache scored over all parameters: the cache's
+    derived record equals scoring those blocks directly (float64, relative 1e-9), a record scored
+    over the set itself wins, and a set the profile cannot give exactly is not derived."""
+    from types import SimpleNamespace
+
+    from guarduq.calibration.evaluation import ScoreCache, ScoredItem
+
+    model = tiny_llama(layers=4, tie=False).double()
+    ids = torch.randint(5, 200, (1, 30), generator=torch.Generator().manual_seed(7))
+    full = GradientScorer(model).score(ids, 22).to_dict()
+    sub = GradientScorer(model, last_n_blocks=2).score(ids, 22)
+    cache = ScoreCache(tmp_path / "c.jsonl")
+    cache.append(ScoredItem(id="q1", dataset="d", kind="qa", prompt_hash="h", model_fingerprint="f",
+                            response="r", label=1, scores=full, split="fit"))
+    item = SimpleNamespace(id="q1", prompt_hash="h")
+    got = ScoreCache(tmp_path / "c.jsonl").get(item, "f", "last_n_blocks=2")
+    assert got is not None and got.parameter_set == "last_n_blocks=2" and got.response == "r" and got.label == 1
+    assert math.isclose(got.scores["epistemic"], sub.epistemic, rel_tol=1e-9)
+    assert set(got.scores["grad_profile"]) == set(sub.grad_profile)
+    assert cache.get(item, "f", 'parameters=["mlp\\."]') is None  # not a union of whole blocks' groups
+    assert cache.get(item, "f", "last_n_blocks=2").scores["epistemic"] < full["epistemic"]
+    scored = {**sub.to_dict(), "epistemic": 123.0}  # a record over the set itself comes first
+    cache.append(ScoredItem(id="q1", dataset="d", kind="qa", prompt_hash="h", model_fingerprint="f",
+                            response="r", label=1, scores=scored, split="fit"))
+    assert ScoreCache(tmp_path / "c.jsonl").get(item, "f", "last_n_blocks=2").scores["epistemic"] == 123.0
 
 
 def test_score_cache_keeps_one_record_per_parameter_set(tmp_path):
