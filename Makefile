@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale-lanes scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -166,8 +166,24 @@ risk-data-qwen-1.5b: model-qwen-1.5b
 	@$(call risk_rounds,qwen2.5-coder-1.5b-instruct)
 risk-data-scale-smollm2: $(STAMP)
 	@$(call risk_rounds,smollm2-135m-instruct)
+# Both Qwen models' rounds at once in the background, one lane (core) each, from a frozen copy of
+# HEAD (a git worktree in LANES_TREE, imported first through PYTHONPATH) so that work on the code
+# meanwhile never reaches a running round; the answers go to this checkout's $(SCALE_RUNS)
+# (commit them as they grow). Logs: runs/lanes/<model>.log; `make scale-lanes-stop` ends both.
+LANES_TREE ?= ../guarduq-lanes
+SCALE_LANES ?= 0.5b 1.5b
+scale-lanes: $(foreach m,$(SCALE_LANES),model-qwen-$(m))
+	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
+	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
+	@for m in $(SCALE_LANES); do nohup $(MAKE) --no-print-directory risk-data-qwen-$$m \
+	  SCALE_CMD="env PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" \
+	  > runs/lanes/qwen-$$m.log 2>&1 & echo "qwen-$$m: scoring in the background, log runs/lanes/qwen-$$m.log"; done
+scale-lanes-stop:
+	@pkill -f "PYTHONPATH=$(abspath $(LANES_TREE))" ; pkill -f -- "-m guarduq calibrate --threads $(SCALE_THREADS) --model qwen" ; \
+	  echo "stopped (an interrupted batch is scored again next time)"
+SCALE_CMD ?= $(VENV)/bin/guarduq
 define risk_rounds
-for n in $(SCALE_ROUNDS); do nice -n 10 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) \
+for n in $(SCALE_ROUNDS); do nice -n 10 $(SCALE_CMD) calibrate --threads $(SCALE_THREADS) \
   --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
   --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified --out $(SCALE_RUNS)/risk/$(1).json || exit 1; done
 endef
