@@ -167,7 +167,8 @@ risk-data-qwen-1.5b: model-qwen-1.5b
 risk-data-scale-smollm2: $(STAMP)
 	@$(call risk_rounds,smollm2-135m-instruct)
 # Both Qwen models' rounds at once in the background, one lane (core) each, from a frozen copy of
-# HEAD (a git worktree in LANES_TREE, imported first through PYTHONPATH) so that work on the code
+# HEAD (a git worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off
+# sys.path by PYTHONSAFEPATH, Python 3.11+) so that work on the code
 # meanwhile never reaches a running round; the answers go to this checkout's $(SCALE_RUNS)
 # (commit them as they grow). Logs: runs/lanes/<model>.log; `make scale-lanes-stop` ends both.
 LANES_TREE ?= ../guarduq-lanes
@@ -176,10 +177,10 @@ scale-lanes: $(foreach m,$(SCALE_LANES),model-qwen-$(m))
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
 	@for m in $(SCALE_LANES); do nohup $(MAKE) --no-print-directory risk-data-qwen-$$m \
-	  SCALE_CMD="env PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" \
+	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" \
 	  > runs/lanes/qwen-$$m.log 2>&1 & echo "qwen-$$m: scoring in the background, log runs/lanes/qwen-$$m.log"; done
 scale-lanes-stop:
-	@pkill -f "PYTHONPATH=$(abspath $(LANES_TREE))" ; pkill -f -- "-m guarduq calibrate --threads $(SCALE_THREADS) --model qwen" ; \
+	@pkill -f "[P]YTHONPATH=$(abspath $(LANES_TREE))" ; pkill -f -- "[-]m guarduq calibrate --threads $(SCALE_THREADS) --model qwen" ; \
 	  echo "stopped (an interrupted batch is scored again next time)"
 SCALE_CMD ?= $(VENV)/bin/guarduq
 define risk_rounds
