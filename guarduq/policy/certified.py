@@ -178,8 +178,7 @@ def certified_thresholds(policy: Policy, calibrator: Any) -> ThresholdReport:
     if not uses or cfg.alpha is None:
         return base  # validation already demands alpha wherever 'threshold' appears
     records = [_record(t) for t in getattr(calibrator, "thresholds_", ())]
-    fitted = tuple(sorted({r.alpha for r in records}))
-    certified = tuple(sorted({r.alpha for r in records if r.threshold is not None}))
+    fitted, certified = fitted_alphas(calibrator), certified_alphas(calibrator)
     record = next((r for r in records if math.isclose(r.alpha, cfg.alpha)), None)
     threshold = calibrator.threshold_for(cfg.alpha) if record is not None else None
     report = ThresholdReport(
@@ -196,6 +195,17 @@ def certified_thresholds(policy: Policy, calibrator: Any) -> ThresholdReport:
     log.debug("threshold_check", policy=cfg.name, alpha=cfg.alpha, threshold=report.threshold,
               certified_alphas=list(certified), warning=warning)
     return _with_warning(report, warning)
+
+
+def fitted_alphas(calibrator: Any) -> tuple[float, ...]:
+    """The alphas the calibrator was fitted for, certified or not, smallest first."""
+    return tuple(sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ())}))
+
+
+def certified_alphas(calibrator: Any) -> tuple[float, ...]:
+    """The alphas with a certified threshold, smallest (strictest) first."""
+    return tuple(sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ())
+                         if getattr(t, "threshold", None) is not None}))
 
 
 def check_policy_thresholds(

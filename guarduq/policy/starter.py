@@ -2,7 +2,7 @@
 certifies, abstain otherwise. What ``guarduq policy init`` writes, so that a user who fitted a
 calibrator for their own model never hand-picks an alpha the calibrator cannot back.
 
-Pure: reads the calibrator's thresholds (``thresholds_``), returns YAML text; no file access.
+Pure: reads the calibrator's thresholds (``thresholds_``) and returns YAML text; writes nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from guarduq.errors import PolicyError
-
-
-def certified_alphas(calibrator: Any) -> list[float]:
-    """The alphas with a certified threshold, smallest (strictest) first."""
-    return sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ()) if t.threshold is not None})
+from guarduq.policy.certified import certified_alphas, fitted_alphas
 
 
 def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
@@ -30,8 +26,7 @@ def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
     """
     ok = certified_alphas(calibrator)
     if not ok:
-        fitted = sorted({float(t.alpha) for t in getattr(calibrator, "thresholds_", ())})
-        raise PolicyError(f"the calibrator certifies no alpha (fitted for {_alphas(fitted) or 'none'}): "
+        raise PolicyError(f"the calibrator certifies no alpha (fitted for {_alphas(fitted_alphas(calibrator)) or 'none'}): "
                           "refit it on more labelled answers (calibrate says how many) before writing a policy on it")
     if alpha is None:
         return ok[0]
