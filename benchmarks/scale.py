@@ -189,8 +189,10 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
         if key == "short":
             return f"{s['ratio']['all']:.2f}× / {s['ratio']['last_n_blocks=2']:.2f}×" if s else "–"
         if key == "seconds":  # per answer, the fastest repeat of the run
-            return "–" if not s or "seconds" not in s else ("/".join(f"{s['seconds'][k] / s['n']:.0f}" for k in ("unguarded", "all", "last_n_blocks=2"))
-                    + f" s ({s['tokens']} tokens)")
+            if not s or "seconds" not in s:
+                return "–"
+            per = (s["seconds"][k] / s["n"] for k in ("unguarded", "all", "last_n_blocks=2"))
+            return "/".join(f"{x:.0f}" for x in per) + f" s ({s['tokens']} tokens)"
         d = c.get("dtype", {}).get("float32")
         return f"{d['peak'] / 2**30:.1f} GB" if d else "–"
 

@@ -109,13 +109,14 @@ def _cmd_init(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.force:
         print(f"guarduq: error: {args.out} exists; pass --force to replace it", file=sys.stderr)
         return 2
-    calibrator = _calibrator_loader()(args.calibrator)
+    load = _calibrator_loader()  # one read of the calibrator for the writing and the check
+    calibrator = load(args.calibrator)
     alpha = choose_alpha(calibrator, args.alpha)  # PolicyError: exit 2 with the reason
     text = starter_policy(calibrator, args.calibrator, args.out, alpha, name=args.name)
     config, issues = validate_policy_text(text, str(args.out))
     assert config is not None and not issues, issues  # the template is valid by construction
     write_atomic(args.out, text.encode())
-    report = check_policy_thresholds(Policy.from_yaml(args.out), _calibrator_loader())
+    report = check_policy_thresholds(Policy.from_yaml(args.out), load)
     assert report.warning is None, report.warning
     print(f"wrote {args.out}: alpha {alpha:g}, risk <= {report.threshold:g} allowed ({_provenance(report)})")
     return 0

@@ -249,7 +249,7 @@ def _uncertified(report: ThresholdReport) -> str:
     assert report.alpha is not None
     if report.record is None:  # Policy.bind refuses this pair outright
         head = (f"calibrator {report.calibrator} holds no threshold for alpha {report.alpha:g} "
-                f"(it was fitted for {_alphas(report.fitted_alphas) or 'no alpha'}), so binding "
+                f"(it was fitted for {format_alphas(report.fitted_alphas) or 'no alpha'}), so binding "
                 f"this policy to it raises PolicyError")
     else:  # Policy.bind accepts it; the threshold stays unknown and fails closed
         never = [u for u in report.uses if u.needs_threshold]
@@ -260,11 +260,11 @@ def _uncertified(report: ThresholdReport) -> str:
                            f"the threshold")
         head = (f"no threshold is certified at alpha {report.alpha:g} on calibrator "
                 f"{report.calibrator}, so {' and '.join(effects)}")
-    fitted = f" (fitted for {_alphas(report.fitted_alphas)})" if report.fitted_alphas else ""
+    fitted = f" (fitted for {format_alphas(report.fitted_alphas)})" if report.fitted_alphas else ""
     if len(report.certified_alphas) == 1:
         certified = f"it certifies alpha {report.certified_alphas[0]:g} only{fitted}"
     elif report.certified_alphas:
-        certified = (f"it certifies alpha {_alphas(report.certified_alphas)}{fitted}; the smallest "
+        certified = (f"it certifies alpha {format_alphas(report.certified_alphas)}{fitted}; the smallest "
                      f"certified alpha is {report.smallest_certified_alpha:g}")
     else:
         certified = f"it certifies no alpha{fitted}"
@@ -323,5 +323,6 @@ def _rule_list(uses: Sequence[ThresholdUse]) -> str:
     return f"rule {names}" if len(uses) == 1 else f"rules {names}"
 
 
-def _alphas(values: Sequence[float]) -> str:
+def format_alphas(values: Sequence[float]) -> str:
+    """Alphas as a reader sees them: ``0.5, 0.7``."""
     return ", ".join(f"{a:g}" for a in values)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from guarduq.errors import PolicyError
-from guarduq.policy.certified import certified_alphas, fitted_alphas
+from guarduq.policy.certified import certified_alphas, fitted_alphas, format_alphas
 
 
 def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
@@ -26,12 +25,12 @@ def choose_alpha(calibrator: Any, alpha: float | None = None) -> float:
     """
     ok = certified_alphas(calibrator)
     if not ok:
-        raise PolicyError(f"the calibrator certifies no alpha (fitted for {_alphas(fitted_alphas(calibrator)) or 'none'}): "
+        raise PolicyError(f"the calibrator certifies no alpha (fitted for {format_alphas(fitted_alphas(calibrator)) or 'none'}): "
                           "refit it on more labelled answers (calibrate says how many) before writing a policy on it")
     if alpha is None:
         return ok[0]
     if not any(math.isclose(alpha, a) for a in ok):
-        raise PolicyError(f"the calibrator does not certify alpha {alpha:g}; it certifies {_alphas(ok)}")
+        raise PolicyError(f"the calibrator does not certify alpha {alpha:g}; it certifies {format_alphas(ok)}")
     return alpha
 
 
@@ -45,13 +44,14 @@ def starter_policy(calibrator: Any, calibrator_path: Path, out: Path, alpha: flo
     name = name or out.stem
     coverage = f", coverage {rec.coverage:.0%} of its threshold split" if getattr(rec, "coverage", None) else ""
     delta = getattr(rec, "delta", None) or 0.1
+    certified = certified_alphas(calibrator)
+    which = "strictest alpha the calibrator certifies" if math.isclose(alpha, certified[0]) else "alpha asked for"
     return f"""\
 # Written by `guarduq policy init` for the calibrator {rel} (model {model}).
 #
 # Answer when the calibrated risk is within the threshold certified for alpha = {alpha:g}
 # (risk <= {rec.threshold:.4g}{coverage}); otherwise abstain and say why.
-# alpha {alpha:g} is the {"strictest alpha the calibrator certifies" if alpha == certified_alphas(calibrator)[0]
-                         else "alpha asked for"}; it certifies {_alphas(certified_alphas(calibrator))}.
+# alpha {alpha:g} is the {which}; it certifies {format_alphas(certified)}.
 # The guarantee (delta {delta:g}): on answers drawn like the calibration data, at most
 # {alpha:.0%} of the answers this policy lets through are wrong, except with probability {delta:g}
 # over the calibration draw. It says nothing about a single answer, or about traffic unlike the
@@ -80,10 +80,6 @@ rules:
       I'm not confident enough to answer this reliably
       (estimated chance of a wrong answer: {{risk:.0%}}).
 """
-
-
-def _alphas(values: Sequence[float]) -> str:
-    return ", ".join(f"{a:g}" for a in values)
 
 
 def _yaml_str(text: str) -> str:
