@@ -9,7 +9,13 @@
    fastest of ``--repeats`` kept per mode; the ratio is summed guarded / summed unguarded time.
 2. ``batch``: ``score_batch`` at batch 4 against a loop of ``score`` on the same pairs, with the
    largest relative difference of epistemic and p̄ (the fast path's stated tolerance is 1e-4).
-3. ``dtype``: the model's own cached answers (spread over the datasets the risk run's cache holds)
+3. ``options``: multiple-choice option probabilities (the risk run's first pass on four of the
+   seven sets) on the first ``--options-n`` items of each multiple-choice set, both ways,
+   interleaved: the prompt once with every option continuing from its key/value cache
+   (``batching.option_mean_probs``, what guarduq runs) against the prompt in every row
+   (``padded_option_mean_probs``, the simple path); the ratio of summed seconds, the largest
+   relative difference of an option's p̄, and how often the two choose the same option.
+4. ``dtype``: the model's own cached answers (spread over the datasets the risk run's cache holds)
    teacher-forced in float32 and in bfloat16, each in a fresh process: seconds, peak resident
    memory (VmHWM), each score's relative error against float32, and the AUROC for wrong answers
    of each signal in both dtypes with a paired bootstrap interval of the difference.
@@ -100,6 +106,34 @@ def batch_vs_loop(g: Any, pairs: list[tuple[str, str]], batch_size: int = 4) -> 
            for k in ("epistemic", "mean_token_prob")}
     return {"n": len(pairs), "batch_size": batch_size, "loop_s": loop_s, "batch_s": batch_s,
             "speedup": loop_s / batch_s, "max_rel_diff": rel}
+
+
+MC_SETS = ("truthfulqa-mc", "arc", "commonsenseqa", "boolq")
+
+
+def option_paths(g: Any, n: int) -> dict[str, Any]:
+    """Shared-prefix against padded option probabilities on ``n`` items of each multiple-choice set."""
+    from guarduq import batching, layout
+    from guarduq.calibration.datasets import load_dataset
+
+    out: dict[str, Any] = {}
+    for name in MC_SETS:
+        seconds, rel, same = {"shared": 0.0, "padded": 0.0}, 0.0, 0
+        items = load_dataset(name, DATA / QA_FILES[name], limit=n).items
+        for item in items:
+            stop = item.stop_strings[0] if item.stop_strings else ""
+            prompt = layout.prompt_ids(g.tokenizer, item.prompt)
+            rows = [layout.response_ids(g.tokenizer, o + stop, ended=not stop) for o in item.options]
+            probs = {}
+            for path, fn in (("shared", batching.option_mean_probs), ("padded", batching.padded_option_mean_probs)):
+                t0 = time.perf_counter()
+                probs[path] = fn(g.model, prompt, rows, g.tokenizer.pad_token_id or 0, g.model.device)
+                seconds[path] += time.perf_counter() - t0
+            rel = max(rel, *(abs(a - b) / b for a, b in zip(probs["shared"], probs["padded"], strict=True)))
+            same += int(np.argmax(probs["shared"]) == np.argmax(probs["padded"]))
+        out[name] = {"n": len(items), "seconds": seconds, "speedup": seconds["padded"] / seconds["shared"],
+                     "max_rel_diff": rel, "same_choice": same}
+    return out
 
 
 def cached_answers(cache_glob: str, n: int) -> list[dict[str, Any]]:
@@ -215,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-n", type=int, default=8)
+    ap.add_argument("--options-n", type=int, default=8, help="items of each multiple-choice set")
     ap.add_argument("--dtype-n", type=int, default=64, help="cached answers for the dtype check")
-    ap.add_argument("--skip", nargs="*", default=(), choices=("short", "batch", "dtype"))
+    ap.add_argument("--skip", nargs="*", default=(), choices=("short", "batch", "options", "dtype"))
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "scale")
     ap.add_argument("--dtype-child", help=argparse.SUPPRESS)
     ap.add_argument("--items", type=Path, help=argparse.SUPPRESS)
@@ -234,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res |= {"model": args.model, "threads": 1, "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16()}
-    if {"short", "batch"} - set(args.skip):
+    if {"short", "batch", "options"} - set(args.skip):
         from guarduq import Guard
 
         guard = Guard(args.model, parameters="all")  # one model for both measurements
@@ -244,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         if "batch" not in args.skip:
             pairs = [(q, "I think the answer is probably this one.") for q in questions(args.batch_n)]
             res["batch"] = batch_vs_loop(guard, pairs)
+            write_json(path, res)
+        if "options" not in args.skip:
+            res["options"] = option_paths(guard, args.options_n)
             write_json(path, res)
         del guard
     if "dtype" not in args.skip:

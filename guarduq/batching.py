@@ -4,14 +4,16 @@
   mask), and each row is cut where *it* stopped: HF keeps appending pad tokens to a finished
   row, and a pad id may equal an end-of-turn id, so the stopping criteria are recorded per row
   instead of guessed from the tokens.
-* Multiple-choice options: all options of a question share the prompt; they are right-padded
-  into one forward and each option's p̄ is averaged over its own response tokens only.
+* Multiple-choice options: all options of a question share the prompt, which runs once; the
+  options continue from its key/value cache, right-padded into one forward, and each option's
+  p̄ is averaged over its own response tokens only.
 
 Low layer: imports torch/transformers only, never ``guard``/``policy``/``cli``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -139,29 +141,74 @@ def recorder_settings(gen: dict[str, Any], prompt_width: int) -> tuple[dict[str,
 # --------------------------------------------------------------------------- multiple choice
 
 
+def forward_with_cache(model: nn.Module, cache: Any, **inputs: Any) -> tuple[Any, Any]:
+    """(output, its key/value cache): ``model(**inputs)`` continuing ``cache`` (None: a new one).
+
+    transformers 5.25 renamed the argument and output ``past_key_values`` to ``cache`` (the old
+    name warns, and goes in 5.40); 5.23 knows only the old one.
+    """
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(**inputs, **{name: cache}, use_cache=True)
+    return out, out.get(name)
+
+
 def option_mean_probs(
     model: nn.Module, prompt: Sequence[int], options: Sequence[Sequence[int]], pad_id: int, device: torch.device
 ) -> list[float]:
-    """p̄ of each option after ``prompt``, in one right-padded forward (no grad)."""
-    start = len(prompt)
-    lengths = [start + len(o) for o in options]
-    width = max(lengths)
-    ids = torch.full((len(options), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(options), width), dtype=torch.long)
-    for i, o in enumerate(options):
-        ids[i, : lengths[i]] = torch.tensor([*prompt, *o], dtype=torch.long)
-        mask[i, : lengths[i]] = 1
+    """p̄ of each option after ``prompt`` (no grad): the prompt once, then every option from its
+    key/value cache.
+
+    Every option shares the prompt, so the prompt's keys and values are the same in every row:
+    one forward over the prompt, its cache repeated once per option, then one forward over the
+    right-padded options. A question with K options and a P-token prompt costs P + K·|option|
+    token positions instead of K·(P + |option|) (BoolQ's passages: about half; ARC-Easy's four
+    options: about a quarter). Equals :func:`padded_option_mean_probs`, which runs the prompt in
+    every row, to float rounding; models whose cache cannot be repeated use that path.
+    """
+    start, k = len(prompt), len(options)
+    ids, mask = right_pad(options, pad_id)
     ids, mask = ids.to(device), mask.to(device)
-    keep = width - start + 1  # positions start-1 .. width-1
+    width = ids.shape[1]
+    with torch.no_grad():
+        prompt_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+        try:  # only the last position's logits are needed
+            head, cache = forward_with_cache(model, None, input_ids=prompt_ids, logits_to_keep=1)
+        except TypeError:  # models whose forward has no logits_to_keep
+            head, cache = forward_with_cache(model, None, input_ids=prompt_ids)
+        if not hasattr(cache, "batch_repeat_interleave"):  # no transformers Cache: run the prompt per row
+            return padded_option_mean_probs(model, prompt, options, pad_id, device)
+        cache.batch_repeat_interleave(k)
+        full_mask = torch.cat([torch.ones((k, start), dtype=mask.dtype, device=device), mask], dim=1)
+        positions = torch.arange(start, start + width, device=device).expand(k, width)
+        tail, _ = forward_with_cache(model, cache, input_ids=ids, attention_mask=full_mask, position_ids=positions)
+        tail = tail.logits
+        first = head.logits[:, -1:].expand(k, 1, tail.shape[-1])  # predicts each option's first token
+        logits = torch.cat([first, tail[:, :-1]], dim=1)
+    return _mean_probs(logits, ids, mask)
+
+
+def padded_option_mean_probs(
+    model: nn.Module, prompt: Sequence[int], options: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> list[float]:
+    """p̄ of each option after ``prompt``, in one right-padded forward of prompt + option per
+    row (no grad): the simple path :func:`option_mean_probs` must equal."""
+    start = len(prompt)
+    ids, mask = right_pad([[*prompt, *o] for o in options], pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    keep = ids.shape[1] - start + 1  # positions start-1 .. width-1
     with torch.no_grad():
         try:
             logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
         except TypeError:  # models whose forward has no logits_to_keep
             logits = model(input_ids=ids, attention_mask=mask).logits
-        logits = logits[:, -keep:-1]
+    return _mean_probs(logits[:, -keep:-1], ids[:, start:], mask[:, start:])
+
+
+def _mean_probs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> list[float]:
+    """Mean over each row's real tokens of p(token); ``logits[:, t]`` predicts ``ids[:, t]``."""
+    with torch.no_grad():
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        log_probs = torch.log_softmax(logits, dim=-1)
-        tok = log_probs.gather(-1, ids[:, start:].unsqueeze(-1)).squeeze(-1)
-        valid = mask[:, start:].to(torch.float64)
+        tok = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        valid = mask.to(torch.float64)
         p_bar = (tok.exp().double() * valid).sum(-1) / valid.sum(-1)
     return [float(x) for x in p_bar.cpu()]

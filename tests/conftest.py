@@ -12,11 +12,15 @@ import torch
 from hypothesis import HealthCheck, settings
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 # Hypothesis profiles: "ci" (default, `make test`) and "fuzz" (`make fuzz`, HYPOTHESIS_PROFILE=fuzz).
@@ -120,6 +124,39 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
         bos_token_id=1, eos_token_id=2,
     )
     return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_gemma(seed: int = 0) -> Gemma3ForCausalLM:
+    """Gemma-3 style: scaled tied embeddings, (1+w) RMSNorms incl. q/k norms, a sliding window
+    (8) shorter than the sequences, logit soft-capping."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma initialises its norm weights at 0 (scale 1 + w): make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """Qwen2.5's architecture, tiny: biased q/k/v projections (trained ones are not zero)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Qwen2 initialises its projection biases to zero
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0, 0.1)
+    return model
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ last line left by the kill is cut off when the cache is reopened.
 Per item kind:
 
 * ``qa``: ``guard.generate_batch`` (greedy, short), then the dataset's grader labels the text.
-* ``mc``: ``guard.option_probs`` over the options (one padded forward); the argmax is the
-  model's choice, and that option, as the response, is what ``guard.score_batch`` scores; correct
-  when it is the key. With a few-shot prompt the option ends with the stop string (a newline)
+* ``mc``: ``guard.option_probs`` over the options (the prompt once, the options from its
+  cache); the argmax is the model's choice, and that option, as the response, is what
+  ``guard.score_batch`` scores; correct when it is the key. With a few-shot prompt the option ends with the stop string (a newline)
   instead of end-of-turn.
 * ``labelled``: ``guard.score_batch`` over (prompt, response) with the label from the data.
 

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from guarduq import layout
 from guarduq._logging import get_logger
 from guarduq.answers import same_answer
-from guarduq.batching import right_pad
+from guarduq.batching import forward_with_cache, right_pad
 from guarduq.errors import ArtifactError, FingerprintMismatchError, GuardUQError, SVEError
 from guarduq.layout import PromptLike
 from guarduq.models import LoadedModel, fingerprint
@@ -355,8 +355,7 @@ class SVEnsemble:
         past, new = None, []
         with torch.no_grad(), self._lock:  # plain folding: the KV cache holds M rows throughout
             for _ in range(max_new_tokens):
-                out = self.model(input_ids=x, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out, past = forward_with_cache(self.model, past, input_ids=x)
                 nxt = int(torch.softmax(out.logits[:, -1].float(), -1).mean(0).argmax())
                 if nxt in stops:
                     break

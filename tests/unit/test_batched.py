@@ -9,12 +9,11 @@ import threading
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from guarduq import Guard, layout
 from guarduq.errors import InputError
 from guarduq.scoring.uncertainty import GradientScorer, Scores, select_parameters
-from tests.conftest import VOCAB, tiny_gpt2, tiny_llama
+from tests.conftest import VOCAB, tiny_gemma, tiny_gpt2, tiny_llama
 from tests.unit.test_uncertainty import naive_epistemic
 
 PAIRS = [
@@ -24,25 +23,6 @@ PAIRS = [
     ("x", "y z"),
 ]
 REL = 1e-6
-
-
-def tiny_gemma(seed: int = 0) -> Gemma3ForCausalLM:
-    """Gemma-3 style: scaled tied embeddings, (1+w) RMSNorms incl. q/k norms, a sliding window
-    shorter than the sequences, logit soft-capping."""
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8,
-        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        final_logit_softcapping=30.0, max_position_embeddings=256,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # Gemma initialises its norm weights at 0 (scale 1 + w): make them count
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.5)
-    return model
 
 
 MODELS = {

@@ -16,7 +16,7 @@ from guarduq.calibration.evaluation import ScoreCache, score_dataset
 from guarduq.errors import InputError
 from guarduq.models import fingerprint, resolve_device, resolve_dtype
 from guarduq.scoring.uncertainty import mean_token_prob
-from tests.conftest import make_tokenizer, tiny_gpt2, tiny_llama
+from tests.conftest import make_tokenizer, tiny_gemma, tiny_gpt2, tiny_llama, tiny_qwen2
 
 PROMPTS = ["Hi", "Tell me a long story about the sea and ships", "What?", "abc def ghi jkl mno pqr stu",
            "Why is the sky blue, and why?"]
@@ -78,9 +78,14 @@ def test_generate_batch_bad_input(tokenizer, bad, match) -> None:
 # --------------------------------------------------------------------------- multiple choice
 
 
-@pytest.mark.parametrize("make", [tiny_llama, lambda: tiny_llama(tie=False), tiny_gpt2])
+OPTION_MODELS = [tiny_llama, lambda: tiny_llama(tie=False), tiny_gpt2, tiny_gemma, tiny_qwen2]
+
+
+@pytest.mark.parametrize("make", OPTION_MODELS)
 @pytest.mark.parametrize("ended", [True, False])
-def test_option_probs_in_one_forward_equal_sequential(make, ended, tokenizer) -> None:
+def test_option_probs_equal_each_option_scored_alone(make, ended, tokenizer) -> None:
+    """Each option's p̄ is the one a forward over prompt + that option alone gives (float32,
+    rel 1e-6); the prompt is longer than tiny Gemma's sliding window (8)."""
     model = make()
     guard = Guard((model, tokenizer))
     options = [" a", " a much longer option than the others", " mid length", "x\n"]
@@ -88,6 +93,40 @@ def test_option_probs_in_one_forward_equal_sequential(make, ended, tokenizer) ->
     for option, p in zip(options, got, strict=True):
         enc = layout.encode(tokenizer, model, "Which one?", option, ended=ended)
         assert p == pytest.approx(mean_token_prob(model, enc.input_ids, enc.response_start), rel=1e-6)
+
+
+@pytest.mark.parametrize("make", OPTION_MODELS)
+@pytest.mark.parametrize("prompt_len, lengths", [(1, [1]), (3, [2, 5, 1]), (40, [1, 7, 3, 2, 12])])
+def test_shared_prompt_path_equals_the_padded_path_in_float64(make, prompt_len, lengths, monkeypatch) -> None:
+    """The fast path (the prompt once, options from its cache) equals the prompt in every row to
+    1e-10 in float64, and really ran: the padded path is not called."""
+    model = make().double()
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(5, 200, (prompt_len,), generator=gen).tolist()
+    options = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in lengths]
+    want = batching.padded_option_mean_probs(model, prompt, options, 0, torch.device("cpu"))
+    monkeypatch.setattr(batching, "padded_option_mean_probs", lambda *a: pytest.fail("padded path taken"))
+    got = batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu"))
+    assert got == pytest.approx(want, rel=1e-10)
+
+
+def test_a_model_without_a_repeatable_cache_takes_the_padded_path() -> None:
+    """A forward that returns no transformers Cache (older or custom models) still gets each
+    option's p̄: the prompt then runs in every row."""
+
+    class NoCache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny_llama().double()
+
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, **kw):
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+            out["past_key_values"] = None
+            return out
+
+    model, prompt, options = NoCache(), [5, 6, 7], [[8], [9, 10, 11]]
+    want = batching.padded_option_mean_probs(model.inner, prompt, options, 0, torch.device("cpu"))
+    assert batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu")) == pytest.approx(want, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- datasets

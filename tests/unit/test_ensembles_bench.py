@@ -24,7 +24,7 @@ from _ensemble_methods import (  # noqa: E402
 )
 
 from guarduq.sve import LLAMA_TARGETS  # noqa: E402
-from tests.conftest import make_tokenizer, tiny_llama  # noqa: E402
+from tests.conftest import make_tokenizer, tiny_llama, tiny_qwen2  # noqa: E402
 
 
 def tiny_gemma3() -> torch.nn.Module:
@@ -44,25 +44,6 @@ def tiny_gemma3() -> torch.nn.Module:
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     return Gemma3ForCausalLM(cfg).eval()
-
-
-def tiny_qwen2() -> torch.nn.Module:
-    """Qwen2's text model, tiny (the qwen05/qwen15 cells' architecture): biased q/k/v projections,
-    which SVE keeps as each member's bias start."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from tests.conftest import VOCAB
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # Qwen2 initialises its projection biases to zero; trained ones are not
-        for name, p in model.named_parameters():
-            if name.endswith("proj.bias"):
-                p.normal_(0, 0.1)
-    return model
 
 
 # Fits compared after training run in float64: Adam divides each gradient by its own running
