@@ -79,14 +79,17 @@ fuzz: $(STAMP)
 
 # The seven QA sets of ../shared/data: the shipped calibrator's data and issue 12's evidence.
 D := $${GUARDUQ_DATA:-../shared/data}
-QA_SETS := \
-	  --dataset truthfulqa-mc --data $(D)/truthfulqa/TruthfulQA.csv \
-	  --dataset truthfulqa-gen --data $(D)/truthfulqa/TruthfulQA.csv \
-	  --dataset triviaqa --data $(D)/triviaqa/triviaqa_dev_extra_2k.jsonl \
-	  --dataset nq-open --data $(D)/nq_open/NQ-open.dev.jsonl \
-	  --dataset arc --data $(D)/arc_easy/ARC-Easy-Test.jsonl \
-	  --dataset commonsenseqa --data $(D)/commonsense_qa/dev_rand_split.jsonl \
-	  --dataset boolq --data $(D)/boolq/dev.jsonl
+# The seven QA sets (their files under D); qa_sets gives the calibrate flags for a list of names.
+QA_NAMES := truthfulqa-mc truthfulqa-gen triviaqa nq-open arc commonsenseqa boolq
+QA_FILE_truthfulqa-mc  := truthfulqa/TruthfulQA.csv
+QA_FILE_truthfulqa-gen := truthfulqa/TruthfulQA.csv
+QA_FILE_triviaqa       := triviaqa/triviaqa_dev_extra_2k.jsonl
+QA_FILE_nq-open        := nq_open/NQ-open.dev.jsonl
+QA_FILE_arc            := arc_easy/ARC-Easy-Test.jsonl
+QA_FILE_commonsenseqa  := commonsense_qa/dev_rand_split.jsonl
+QA_FILE_boolq          := boolq/dev.jsonl
+qa_sets = $(foreach n,$(1),--dataset $(n) --data $(D)/$(QA_FILE_$(n)))
+QA_SETS := $(call qa_sets,$(QA_NAMES))
 
 # Refit the default model's shipped calibrators (see docs/calibration/README.md) on CAL_LIMIT items
 # of each QA set (BoolQ's long passages make it about 3x slower to score):
@@ -166,27 +169,39 @@ risk-data-qwen-1.5b: model-qwen-1.5b
 	@$(call risk_rounds,qwen2.5-coder-1.5b-instruct)
 risk-data-scale-smollm2: $(STAMP)
 	@$(call risk_rounds,smollm2-135m-instruct)
-# Both Qwen models' rounds at once in the background, one lane (core) each, from a frozen copy of
-# HEAD (a git worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off
-# sys.path by PYTHONSAFEPATH, Python 3.11+) so that work on the code
-# meanwhile never reaches a running round; the answers go to this checkout's $(SCALE_RUNS)
-# (commit them as they grow). Logs: runs/lanes/<model>.log; `make scale-lanes-stop` ends both.
+# Qwen models' rounds in the background, one lane (core) each, from a frozen copy of HEAD (a git
+# worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off sys.path by
+# PYTHONSAFEPATH, Python 3.11+) so that work on the code meanwhile never reaches a running round;
+# the answers go to this checkout's $(SCALE_RUNS) (commit them as they grow). A lane is a model
+# (0.5b, 1.5b: all seven sets) or a model and one of two halves of the sets (1.5b@1, 1.5b@2: about
+# equal work on the 1.5B, whose BoolQ passages cost 2-3x its other answers), so that
+# SCALE_LANES="1.5b@1 1.5b@2" gives one model both cores (its weights are mapped from the cache
+# file, so two processes share them). Logs: runs/lanes/qwen-<lane>.log; `make scale-lanes-stop`.
 LANES_TREE ?= ../guarduq-lanes
 SCALE_LANES ?= 0.5b 1.5b
-scale-lanes: $(foreach m,$(SCALE_LANES),model-qwen-$(m))
+SCALE_HALF_1 := truthfulqa-mc truthfulqa-gen triviaqa nq-open
+SCALE_HALF_2 := arc commonsenseqa boolq
+scale-lanes: $(foreach m,$(sort $(foreach l,$(SCALE_LANES),$(firstword $(subst @, ,$(l))))),model-qwen-$(m))
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
-	@for m in $(SCALE_LANES); do nohup $(MAKE) --no-print-directory risk-data-qwen-$$m \
+	@for l in $(SCALE_LANES); do case $$l in *@1) sets="$(SCALE_HALF_1)";; *@2) sets="$(SCALE_HALF_2)";; \
+	  *) sets="$(QA_NAMES)";; esac; tag=$$(echo $$l | tr @ -); \
+	  nohup $(MAKE) --no-print-directory risk-data-qwen-$${l%@*} SCALE_SETS="$$sets" \
+	  SCALE_TAG=$$(case $$l in *@*) echo half$${l#*@};; esac) \
 	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" \
-	  > runs/lanes/qwen-$$m.log 2>&1 & echo "qwen-$$m: scoring in the background, log runs/lanes/qwen-$$m.log"; done
+	  > runs/lanes/qwen-$$tag.log 2>&1 & echo "qwen-$$l: scoring $$sets in the background, log runs/lanes/qwen-$$tag.log"; done
 scale-lanes-stop:
 	@pkill -f "[P]YTHONPATH=$(abspath $(LANES_TREE))" ; pkill -f -- "[-]m guarduq calibrate --threads $(SCALE_THREADS) --model qwen" ; \
 	  echo "stopped (an interrupted batch is scored again next time)"
 SCALE_CMD ?= $(VENV)/bin/guarduq
+SCALE_SETS ?= $(QA_NAMES)
+# Each lane's measurement calibrator (git-ignored; `make scale` refits from the caches).
+SCALE_TAG ?=
 define risk_rounds
 for n in $(SCALE_ROUNDS); do nice -n 10 $(SCALE_CMD) calibrate --threads $(SCALE_THREADS) \
-  --model $(1) $(QA_SETS) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
-  --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified --out $(SCALE_RUNS)/risk/$(1).json || exit 1; done
+  --model $(1) $(call qa_sets,$(SCALE_SETS)) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
+  --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified \
+  --out $(SCALE_RUNS)/risk/$(1)$(if $(SCALE_TAG),-$(SCALE_TAG)).json || exit 1; done
 endef
 
 # A calibrator and policy for a scale model, fitted as SmolLM2's is (`make calibrator`): its
