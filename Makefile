@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale-lanes scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale-lanes scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -366,6 +366,41 @@ ENSEMBLES_CELLS ?= smollm2:arc,gemma:arc,smollm2:csqa,smollm2:sst2,qwen05:arc,qw
 ensembles: $(BENCH_STAMP)
 	@$(PY) benchmarks/ensembles.py --work $(SCORES)/ensembles --out docs/ensembles/fair --cells $(ENSEMBLES_CELLS) \
 	  $(ENSEMBLES_FAIR) --sve-transfer-from smollm2:arc $(ENSEMBLES_ARGS)
+
+# Issue 33's second opinion at scale (docs/results/scale/second_opinion/), in three steps:
+# - sve-scale: an 8-member SVE for SO_MODEL (the 1.5B) trained as SmolLM2's shipped one (`make sve`:
+#   the LM loss on right answers of four QA sets, never an item or question its calibrator scores,
+#   QWEN_CAL_LIMIT), scale-free, over the last 2 blocks, at the rate and spread `make ensembles`
+#   chose on SmolLM2 ARC-Easy dev, read from docs/ensembles/fair/results.json and carried unchanged
+#   (refused until that cell has run), 200 steps of 8 items a member, as the harness trains;
+# - risk-data-costly-scale: P(True) and that SVE's opinion added to COSTLY_LIMIT answers of each set
+#   of the model's scale cache (its hash-ordered start, so answers already scored are reused);
+# - second-opinion-scale: from those caches alone, each costly feature paired against same-pass
+#   (benchmarks/risk.py) and the calibrated cascade's coverage at each alpha (benchmarks/cascade.py).
+# Not yet timed here: SmolLM2's took about 10 and 80 minutes on 2 cores, and the 1.5B scores an
+# answer about 10x as slowly; the last step is a few minutes. Each resumes (checkpoint, caches).
+SO_MODEL ?= qwen2.5-coder-1.5b-instruct
+SO_SVE ?= policies/sve/$(SO_MODEL).safetensors
+SO_OUT ?= docs/results/scale/second_opinion
+sve-scale: model-qwen-1.5b $(BENCH_STAMP)
+	@choice=$$($(PY) benchmarks/ensembles.py --out docs/ensembles/fair --print-sve-choice smollm2:arc \
+	  $(ENSEMBLES_FAIR)) || exit 2; set -- $$choice; echo "sve-scale: lr $$1, sigma_init $$2 (chosen on smollm2:arc)"; \
+	  mkdir -p runs/sve $(dir $(SO_SVE)) && nice -n 10 $(VENV)/bin/guarduq sve train --threads $(SO_THREADS) \
+	  --model $(SO_MODEL) $(call qa_sets,triviaqa nq-open arc commonsenseqa) --limit $(SVE_LIMIT) \
+	  --exclude-limit $(QWEN_CAL_LIMIT) --members 8 --last-n-blocks 2 --steps 200 --batch-size 8 --seed 0 \
+	  --parametrisation relative --bias scaled --lr $$1 --sigma-init $$2 \
+	  --checkpoint runs/sve/$(SO_MODEL).ckpt --out $(SO_SVE)
+SO_THREADS ?= 2
+risk-data-costly-scale: model-qwen-1.5b
+	@test -f $(SO_SVE) || { echo "risk-data-costly-scale: no $(SO_SVE) yet: run make sve-scale first"; exit 2; }
+	@nice -n 10 $(VENV)/bin/guarduq calibrate --threads $(SO_THREADS) --model $(SO_MODEL) $(QA_SETS) \
+	  $(foreach l,$(COSTLY_LIMIT),--limit $(l)) --features same-pass+ptrue+sve --sve $(SO_SVE) \
+	  --sve-answer-tokens $(SVE_ANSWER_TOKENS) --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
+	  --delta 0.1 --allow-uncertified --batch-size 4 --runs-dir $(SCALE_RUNS) --out $(SCALE_RUNS)/risk/$(SO_MODEL).costly.json
+second-opinion-scale: $(STAMP)
+	@mkdir -p $(SO_OUT)
+	@$(PY) benchmarks/risk.py --cache '$(SO_MODEL)=$(SCALE_RUNS)/cache/$(SO_MODEL)/*.jsonl' --out $(SO_OUT)
+	@$(PY) benchmarks/cascade.py --cache '$(SCALE_RUNS)/cache/$(SO_MODEL)/*.jsonl' --out $(SO_OUT)/cascade
 
 # The first page (docs/ensembles/README.md), as it was made: raw SVE, baselines at M=4 whose members
 # differ by data order only, no grid extension. ensembles-raw-page redraws it from its results.json

@@ -95,15 +95,15 @@ def transferred_rate(results_path: Path, source: str, parametrisation: dict[str,
     unless that run trained SVE with the same parametrisation: a raw rate means nothing for a
     relative Σ and the other way round."""
     if not results_path.is_file():
-        raise SystemExit(f"--sve-transfer-from {source}: no {results_path} yet; run that cell first")
+        raise SystemExit(f"SVE rate of {source}: no {results_path} yet; run that cell first (make ensembles)")
     res = json.loads(results_path.read_text()).get(source, {})
     facts = res.get("facts")
     if not facts:
-        raise SystemExit(f"--sve-transfer-from {source}: {results_path} has no finished run of that cell")
+        raise SystemExit(f"SVE rate of {source}: {results_path} has no finished run of that cell")
     theirs = facts.get("sve_parametrisation", {"parametrisation": "raw", "bias": "raw"})
     if theirs != parametrisation:
-        raise SystemExit(f"--sve-transfer-from {source}: its SVE was {theirs}, this run's is {parametrisation}")
+        raise SystemExit(f"SVE rate of {source}: its SVE was {theirs}, this run's is {parametrisation}")
     if facts.get("sve_transfer"):  # a transferred cell's rate was not chosen there
-        raise SystemExit(f"--sve-transfer-from {source}: that cell's SVE rate was itself transferred "
+        raise SystemExit(f"SVE rate of {source}: that cell's SVE rate was itself transferred "
                          f"from {facts['sve_transfer']['from']}; name the cell the rate was chosen on")
     return float(facts["chosen_lr"]["sve"])

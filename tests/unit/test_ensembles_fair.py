@@ -155,6 +155,26 @@ def test_sve_rate_transfers_unchanged_and_the_cells_own_best_is_shown(tmp_path: 
     assert own["tiny:synthetic"]["facts"]["chosen_lr"]["sve"] == t["own_best_lr"]
 
 
+def test_print_sve_choice_gives_the_source_cells_rate_and_spread_for_its_parametrisation(tmp_path, capsys) -> None:
+    """What `make sve-scale` trains the 1.5B's SVE at: the rate and initial spread one finished cell
+    chose, refused for another parametrisation or a cell whose rate was itself transferred."""
+    import ensembles
+
+    facts = {"chosen_lr": {"sve": 0.005, "lora": 3e-4}, "sigma_init": 0.02,
+             "sve_parametrisation": {"parametrisation": "relative", "bias": "scaled"}}
+    moved = {**facts, "sve_transfer": {"from": "src:cell"}}
+    (tmp_path / "results.json").write_text(json.dumps({"src:cell": {"facts": facts}, "dst:cell": {"facts": moved}}))
+    args = ["--out", str(tmp_path), "--sve-parametrisation", "relative", "--print-sve-choice"]
+    assert ensembles.main([*args, "src:cell"]) == 0
+    assert capsys.readouterr().out.split() == ["0.005", "0.02"]
+    with pytest.raises(SystemExit, match="raw"):
+        ensembles.main(["--out", str(tmp_path), "--print-sve-choice", "src:cell"])
+    with pytest.raises(SystemExit, match="itself transferred"):
+        ensembles.main([*args, "dst:cell"])
+    with pytest.raises(SystemExit, match="no finished run"):
+        ensembles.main([*args, "smollm2:arc"])
+
+
 @pytest.mark.bench  # the harness end to end (make test-bench): keeps make test under 10 min
 def test_a_page_from_before_issue_33_renders_again(tmp_path: Path) -> None:
     """``--render`` of results written before rate searches, equal members and paired-vs-best."""
