@@ -156,13 +156,17 @@ risk-data-gemma: $(BENCH_STAMP)
 # The scale issue's risk data (docs/results/scale/): the seven QA sets on each model of the scale
 # table, in rounds of growing size so that every dataset has answers at any point (each round
 # reuses the hash-ordered start the last one scored). One thread per model (SCALE_THREADS), nice'd,
-# batch 4. Seconds per answer on this 2-core CPU, one thread, alone: about 1.2 (SmolLM2), 4 (0.5B)
+# batch SCALE_BATCH. Seconds per answer on this 2-core CPU, one thread, alone: about 1.2 (SmolLM2), 4 (0.5B)
 # and 11 (1.5B); so the 504-per-dataset goal (3,528 answers) takes about 1.2 h, 4 h and 11 h (many
 # times that while other jobs share the CPU). All resume from $(SCALE_RUNS)/cache, committed
 # (scores/README.md): a new checkout is a fresh machine, and only what is committed survives.
 SCALE_RUNS ?= $(SCORES)
 SCALE_ROUNDS ?= 16 64 160 320 504
 SCALE_THREADS ?= 1
+# Generation batches of 16: one thread's decoding is bound by reading the weights, so 16 rows cost
+# little more a step than 4 (Qwen-0.5B: 3.4 s an answer against 6.0); scoring splits each batch
+# within the model's token budget (guarduq.batching.token_budget) and by like lengths.
+SCALE_BATCH ?= 16
 risk-data-qwen-0.5b: model-qwen-0.5b
 	@$(call risk_rounds,qwen2.5-coder-0.5b-instruct)
 risk-data-qwen-1.5b: model-qwen-1.5b
@@ -200,7 +204,7 @@ SCALE_TAG ?=
 define risk_rounds
 for n in $(SCALE_ROUNDS); do nice -n 10 $(SCALE_CMD) calibrate --threads $(SCALE_THREADS) \
   --model $(1) $(call qa_sets,$(SCALE_SETS)) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
-  --delta 0.1 --batch-size 4 --runs-dir $(SCALE_RUNS) --allow-uncertified \
+  --delta 0.1 --batch-size $(SCALE_BATCH) --runs-dir $(SCALE_RUNS) --allow-uncertified \
   --out $(SCALE_RUNS)/risk/$(1)$(if $(SCALE_TAG),-$(SCALE_TAG)).json || exit 1; done
 endef
 

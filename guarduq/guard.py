@@ -257,8 +257,8 @@ class Guard:
         progress: bool = False,
     ) -> list[Scores]:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
-        rounding; see ``guarduq.scoring.batched``), fewer where long pairs would exceed
-        ``batching.MAX_BATCH_TOKENS`` padded tokens. ``ended``: one flag for all, or one per pair."""
+        rounding; see ``guarduq.scoring.batched``), fewer where long pairs would exceed the
+        model's ``batching.token_budget`` of padded tokens or pad short ones too much. ``ended``: one flag for all, or one per pair."""
         pairs = layout.as_pairs(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):
@@ -282,7 +282,7 @@ class Guard:
         lengths = [int(encs[i].input_ids.shape[1]) for i in order]
         out: list[Scores | None] = [None] * len(encs)
         with tqdm(total=len(encs), desc="scoring", unit="resp", disable=not progress) as bar:
-            for run in batching.token_budget_chunks(lengths, batch_size, batching.MAX_BATCH_TOKENS):
+            for run in batching.token_budget_chunks(lengths, batch_size, batching.token_budget(self.model)):
                 chunk = [order[j] for j in run]
                 items = [(encs[i].input_ids.to(self._device), encs[i].response_start) for i in chunk]
                 states = [reuse.states_for(recorded[i], ids) for i, (ids, _) in zip(chunk, items, strict=True)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,10 +158,30 @@ def _mixed_items(tmp_path: Path) -> list:
 
 
 def test_token_budget_chunks() -> None:
-    assert list(batching.token_budget_chunks([50, 40, 30, 10, 10], 4, 100)) == [[0, 1], [2, 3, 4]]
-    assert list(batching.token_budget_chunks([500, 20, 10], 8, 100)) == [[0], [1, 2]]  # too long: alone
-    assert list(batching.token_budget_chunks([5] * 10, 4, 10_000)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert list(batching.token_budget_chunks([], 4, 100)) == []
+    chunks = batching.token_budget_chunks
+    assert list(chunks([50, 40, 30, 10, 10], 4, 100, min_fill=0)) == [[0, 1], [2, 3, 4]]
+    assert list(chunks([500, 20, 10], 8, 100, min_fill=0)) == [[0], [1, 2]]  # too long: alone
+    assert list(chunks([5] * 10, 4, 10_000)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert list(chunks([], 4, 100)) == []
+    # a row shorter than 3/4 of its batch's longest starts the next batch: padding costs a full row
+    assert list(chunks([100, 80, 75, 74, 60, 56, 55], 8, 10_000)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(chunks([50, 40, 30, 10, 10], 4, 100)) == [[0, 1], [2], [3, 4]]
+
+
+@pytest.mark.parametrize("sizes, budget", [
+    ((28, 1536, 8960), 442),  # Qwen2.5-1.5B: 4.6x SmolLM2's width per token
+    ((24, 896, 4864), 939),  # Qwen2.5-0.5B
+    ((30, 576, 1536), 2048),  # SmolLM2-135M, for which 2048 was measured
+    ((18, 640, 2048), 2048),  # Gemma-3-270m: narrower still, never above 2048
+    ((200, 8192, 28672), 256),  # a 70B-class width: never below 256
+])
+def test_token_budget_scales_with_the_models_width(sizes, budget) -> None:
+    from transformers import LlamaConfig
+
+    layers, hidden, inter = sizes
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter)
+    assert batching.token_budget(SimpleNamespace(config=cfg)) == budget
+    assert batching.token_budget(SimpleNamespace()) == batching.MAX_BATCH_TOKENS  # no config: the default
 
 
 def test_score_batch_splits_long_pairs_within_the_token_budget(tokenizer, monkeypatch) -> None:
@@ -175,13 +196,33 @@ def test_score_batch_splits_long_pairs_within_the_token_budget(tokenizer, monkey
         return real(items, **kw)
 
     monkeypatch.setattr(guard.scorer, "score_batch", spy)
-    monkeypatch.setattr(batching, "MAX_BATCH_TOKENS", 130)
+    monkeypatch.setattr(batching, "token_budget", lambda model: 130)
+    monkeypatch.setattr(batching, "MIN_FILL", 0.0)  # the budget alone splits here
     bounded = guard.score_batch(pairs, batch_size=5)
     assert sum(r for r, _ in seen) == 5 and 1 < len(seen) < 5, seen  # split, but not one by one
     assert all(rows == 1 or rows * longest <= 130 for rows, longest in seen), seen
     for a, b in zip(unbounded, bounded, strict=True):
         assert b.epistemic == pytest.approx(a.epistemic, rel=1e-6)
         assert b.mean_token_prob == pytest.approx(a.mean_token_prob, rel=1e-6)
+
+
+def test_score_batch_keeps_rows_of_like_length_together(tokenizer, monkeypatch) -> None:
+    """Every scoring batch holds rows of at least MIN_FILL of its longest, and the scores are
+    those of one unsplit batch."""
+    guard = Guard((tiny_llama(seed=3), tokenizer))
+    pairs = [("Q?", "word " * n) for n in (1, 40, 2, 38, 20, 3, 21)]
+    whole = guard.score_batch(pairs, batch_size=1)
+    seen: list[list[int]] = []
+    real = guard.scorer.score_batch
+
+    def spy(items, **kw):
+        seen.append([int(ids.shape[1]) for ids, _ in items])
+        return real(items, **kw)
+
+    monkeypatch.setattr(guard.scorer, "score_batch", spy)
+    got = guard.score_batch(pairs, batch_size=8)
+    assert 1 < len(seen) < len(pairs) and all(min(b) >= batching.MIN_FILL * max(b) for b in seen), seen
+    assert [s.epistemic for s in got] == pytest.approx([s.epistemic for s in whole], rel=1e-6)
 
 
 def test_score_dataset_batch_4_writes_the_records_of_batch_1(tiny_dir: Path, tmp_path: Path) -> None:
