@@ -258,7 +258,8 @@ class Guard:
     ) -> list[Scores]:
         """``score`` of many pairs, ``batch_size`` per forward+backward (same numbers, to float
         rounding; see ``guarduq.scoring.batched``), fewer where long pairs would exceed the
-        model's ``batching.token_budget`` of padded tokens or pad short ones too much. ``ended``: one flag for all, or one per pair."""
+        model's ``batching.token_budget`` of padded tokens or pad short ones too much.
+        ``ended``: one flag for all, or one per pair."""
         pairs = layout.as_pairs(pairs)
         flags = [ended] * len(pairs) if isinstance(ended, bool) else list(ended)
         if len(flags) != len(pairs):

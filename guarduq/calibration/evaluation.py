@@ -10,8 +10,8 @@ Per item kind:
 * ``qa``: ``guard.generate_batch`` (greedy, short), then the dataset's grader labels the text.
 * ``mc``: ``guard.option_probs`` over the options (the prompt once, the options from its
   cache); the argmax is the model's choice, and that option, as the response, is what
-  ``guard.score_batch`` scores; correct when it is the key. With a few-shot prompt the option ends with the stop string (a newline)
-  instead of end-of-turn.
+  ``guard.score_batch`` scores; correct when it is the key. With a few-shot prompt the option
+  ends with the stop string (a newline) instead of end-of-turn.
 * ``labelled``: ``guard.score_batch`` over (prompt, response) with the label from the data.
 
 Items go ``batch_size`` at a time; a batch's records are appended as soon as it is done.
