@@ -185,8 +185,8 @@ risk-data-scale-gemma: $(BENCH_STAMP)
 # of two halves of the sets (1.5b@1, 1.5b@2: about equal work on the 1.5B, whose BoolQ passages
 # cost 2-3x its other answers; its weights are mapped from the cache file, so two processes share
 # them). The default gives the 1.5B one core throughout and the other once the 0.5B and Gemma-3's
-# rounds are done (each part already done takes seconds). Logs: runs/lanes/<lane>.log;
-# `make scale-lanes-stop` ends them all.
+# rounds are done (each part already done takes seconds). Logs: runs/lanes/<lane>.log; a second
+# start is refused while lanes run; `make scale-lanes-stop` ends them all.
 LANES_TREE ?= ../guarduq-lanes
 SCALE_LANES ?= 1.5b@1 0.5b+gemma+1.5b@2
 SCALE_HALF_1 := truthfulqa-mc truthfulqa-gen triviaqa nq-open
@@ -194,10 +194,13 @@ SCALE_HALF_2 := arc commonsenseqa boolq
 lane_parts = $(subst +, ,$(SCALE_LANES))
 lane_models = $(sort $(foreach p,$(lane_parts),$(firstword $(subst @, ,$(p)))))
 scale-lanes: $(foreach m,$(filter-out gemma,$(lane_models)),model-qwen-$(m)) $(if $(filter gemma,$(lane_models)),$(BENCH_STAMP))
+	@for f in runs/lanes/*.pid; do test -f $$f && kill -0 -- -$$(cat $$f) 2>/dev/null && \
+	  { echo "scale-lanes: lanes are running ($$f); make scale-lanes-stop first"; exit 2; }; done; true
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
-	@for l in $(SCALE_LANES); do log=runs/lanes/$$(echo $$l | tr @+ -_).log; \
-	  nohup $(MAKE) --no-print-directory scale-lane LANE=$$l > $$log 2>&1 & echo "lane $$l: in the background, log $$log"; done
+	@for l in $(SCALE_LANES); do tag=runs/lanes/$$(echo $$l | tr @+ -_); \
+	  nohup setsid $(MAKE) --no-print-directory scale-lane LANE=$$l > $$tag.log 2>&1 & echo $$! > $$tag.pid; \
+	  echo "lane $$l: in the background, log $$tag.log"; done
 # One lane in the foreground: make scale-lane LANE=0.5b+1.5b@2
 scale-lane:
 	@for part in $(subst +, ,$(LANE)); do case $$part in *@1) sets="$(SCALE_HALF_1)";; *@2) sets="$(SCALE_HALF_2)";; \
@@ -205,9 +208,10 @@ scale-lane:
 	  *) target=risk-data-qwen-$$model;; esac; echo "lane $(LANE): $$target on $$sets"; \
 	  $(MAKE) --no-print-directory $$target SCALE_SETS="$$sets" SCALE_TAG=$$(case $$part in *@*) echo half$${part#*@};; esac) \
 	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" || exit 1; done
+# Each lane is its own process group (setsid), named by runs/lanes/<lane>.pid: stopping it ends its
+# make, shell and Python processes whatever settings it was started with.
 scale-lanes-stop:
-	@pkill -f "[s]cale-lane LANE=" ; pkill -f "[P]YTHONPATH=$(abspath $(LANES_TREE))" ; \
-	  pkill -f -- "[-]m guarduq calibrate --threads $(SCALE_THREADS) --model .* --batch-size $(SCALE_BATCH) --runs-dir $(SCALE_RUNS) " ; \
+	@for f in runs/lanes/*.pid; do test -f $$f && kill -- -$$(cat $$f) 2>/dev/null; rm -f $$f; done; \
 	  echo "stopped (an interrupted batch is scored again next time)"
 SCALE_CMD ?= $(VENV)/bin/guarduq
 SCALE_SETS ?= $(QA_NAMES)
@@ -401,11 +405,11 @@ SO_SVE ?= policies/sve/$(SO_MODEL).safetensors
 SO_OUT ?= docs/results/scale/second_opinion
 sve-scale: model-qwen-1.5b $(BENCH_STAMP)
 	@choice=$$($(PY) benchmarks/ensembles.py --out docs/ensembles/fair --print-sve-choice smollm2:arc \
-	  $(ENSEMBLES_FAIR)) || exit 2; set -- $$choice; echo "sve-scale: lr $$1, sigma_init $$2 (chosen on smollm2:arc)"; \
+	  $(ENSEMBLES_FAIR)) || exit 2; set -- $$choice; echo "sve-scale: lr $$1, sigma_init $$2, $$3 Σ, $$4 bias (as smollm2:arc)"; \
 	  mkdir -p runs/sve $(dir $(SO_SVE)) && nice -n 10 $(VENV)/bin/guarduq sve train --threads $(SO_THREADS) \
 	  --model $(SO_MODEL) $(call qa_sets,triviaqa nq-open arc commonsenseqa) --limit $(SVE_LIMIT) \
 	  --exclude-limit $(QWEN_CAL_LIMIT) --members 8 --last-n-blocks 2 --steps 200 --batch-size 8 --seed 0 \
-	  --parametrisation relative --bias scaled --lr $$1 --sigma-init $$2 \
+	  --parametrisation $$3 --bias $$4 --lr $$1 --sigma-init $$2 \
 	  --checkpoint runs/sve/$(SO_MODEL).ckpt --out $(SO_SVE)
 SO_THREADS ?= 2
 risk-data-costly-scale: model-qwen-1.5b

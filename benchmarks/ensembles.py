@@ -138,8 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=cache_root() / "bench-ensembles")
     p.add_argument("--render", action="store_true", help="only redraw the page from <out>/results.json")
     p.add_argument("--print-sve-choice", metavar="CELL",
-                   help="print the SVE rate and initial spread chosen on CELL's dev in <out>/results.json (this "
-                        "run's SVE parametrisation) and exit: what `make sve-scale` trains the 1.5B's SVE at")
+                   help="print the SVE rate and initial spread chosen on CELL's dev in <out>/results.json, with "
+                        "this run's SVE parametrisation and bias (refused if CELL ran another), and exit: what "
+                        "`make sve-scale` trains the 1.5B's SVE with")
     args = p.parse_args(argv)
     if args.bf16 is None:
         from guarduq.models import native_bf16
@@ -414,10 +415,11 @@ def unprovisioned(cell: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.print_sve_choice:
-        cell = args.print_sve_choice
-        lr = transferred_rate(args.out / "results.json", cell, sve_options(args)[0])
-        print(lr, json.loads((args.out / "results.json").read_text())[cell]["facts"]["sigma_init"])
+    if args.print_sve_choice:  # rate, spread, parametrisation, bias: what sve train is given
+        cell, kind = args.print_sve_choice, sve_options(args)[0]
+        lr = transferred_rate(args.out / "results.json", cell, kind)
+        sigma = json.loads((args.out / "results.json").read_text())[cell]["facts"]["sigma_init"]
+        print(lr, sigma, kind["parametrisation"], kind["bias"])
         return 0
     if args.quick:  # seconds: three rates per family, few steps, small ensembles (M=2 rows: their first 2)
         args.steps, args.batch, args.sve_members, args.members = 6, 4, 4, 4

@@ -108,18 +108,17 @@ def batch_vs_loop(g: Any, pairs: list[tuple[str, str]], batch_size: int = 4) -> 
             "speedup": loop_s / batch_s, "max_rel_diff": rel}
 
 
-MC_SETS = ("truthfulqa-mc", "arc", "commonsenseqa", "boolq")
-
-
 def option_paths(g: Any, n: int) -> dict[str, Any]:
     """Shared-prefix against padded option probabilities on ``n`` items of each multiple-choice set."""
     from guarduq import batching, layout
     from guarduq.calibration.datasets import load_dataset
 
     out: dict[str, Any] = {}
-    for name in MC_SETS:
+    for name, file in QA_FILES.items():
+        items = [it for it in load_dataset(name, DATA / file, limit=n).items if it.kind == "mc"]
+        if not items:
+            continue
         seconds, rel, same = {"shared": 0.0, "padded": 0.0}, 0.0, 0
-        items = load_dataset(name, DATA / QA_FILES[name], limit=n).items
         for item in items:
             stop = item.stop_strings[0] if item.stop_strings else ""
             prompt = layout.prompt_ids(g.tokenizer, item.prompt)

@@ -54,8 +54,9 @@ MIN_BATCH_TOKENS = 256
 def token_budget(model: nn.Module) -> int:
     """``MAX_BATCH_TOKENS`` scaled to ``model``: a backward keeps, per token, activations about
     layers x (hidden + intermediate) wide, so the budget shrinks by SmolLM2-135M's width over
-    this model's and a batch stays at a few GB on any model (Qwen2.5-1.5B: 442 tokens); never
-    above 2048 or below 256 (a longer row still goes alone). Configs without those sizes keep 2048.
+    this model's (Qwen2.5-1.5B: 442 tokens); never above 2048 or below 256 (a longer row still
+    goes alone). A heuristic set on SmolLM2: the response positions' vocabulary-wide logits come
+    on top. Configs without those sizes keep 2048.
     """
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
@@ -183,7 +184,8 @@ def forward_with_cache(model: nn.Module, cache: Any, **inputs: Any) -> tuple[Any
     """
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(**inputs, **{name: cache}, use_cache=True)
-    return out, out.get(name)
+    new = out.get("cache")
+    return out, out.get("past_key_values") if new is None else new
 
 
 def option_mean_probs(
@@ -207,8 +209,8 @@ def option_mean_probs(
         prompt_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         try:  # only the last position's logits are needed
             head, cache = forward_with_cache(model, None, input_ids=prompt_ids, logits_to_keep=1)
-        except TypeError:  # models whose forward has no logits_to_keep
-            head, cache = forward_with_cache(model, None, input_ids=prompt_ids)
+        except TypeError:  # a forward without logits_to_keep or a cache argument
+            head, cache = None, None
         if not hasattr(cache, "batch_repeat_interleave"):  # no transformers Cache: run the prompt per row
             return padded_option_mean_probs(model, prompt, options, pad_id, device)
         cache.batch_repeat_interleave(k)

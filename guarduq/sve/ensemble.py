@@ -356,6 +356,8 @@ class SVEnsemble:
         with torch.no_grad(), self._lock:  # plain folding: the KV cache holds M rows throughout
             for _ in range(max_new_tokens):
                 out, past = forward_with_cache(self.model, past, input_ids=x)
+                if past is None:  # each step would see only its last token
+                    raise SVEError("the model returned no key/value cache; SVE generation needs one")
                 nxt = int(torch.softmax(out.logits[:, -1].float(), -1).mean(0).argmax())
                 if nxt in stops:
                     break

@@ -97,7 +97,7 @@ def test_option_probs_equal_each_option_scored_alone(make, ended, tokenizer) -> 
 
 
 @pytest.mark.parametrize("make", OPTION_MODELS)
-@pytest.mark.parametrize("prompt_len, lengths", [(1, [1]), (3, [2, 5, 1]), (40, [1, 7, 3, 2, 12])])
+@pytest.mark.parametrize("prompt_len, lengths", [(1, [1]), (3, [2, 5, 1]), (6, [5, 9, 1]), (40, [1, 7, 3, 2, 12])])
 def test_shared_prompt_path_equals_the_padded_path_in_float64(make, prompt_len, lengths, monkeypatch) -> None:
     """The fast path (the prompt once, options from its cache) equals the prompt in every row to
     1e-10 in float64, and really ran: the padded path is not called."""
@@ -109,6 +109,22 @@ def test_shared_prompt_path_equals_the_padded_path_in_float64(make, prompt_len, 
     monkeypatch.setattr(batching, "padded_option_mean_probs", lambda *a: pytest.fail("padded path taken"))
     got = batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu"))
     assert got == pytest.approx(want, rel=1e-10)
+
+
+def test_a_forward_without_a_cache_argument_takes_the_padded_path() -> None:
+    """A custom forward that takes neither a cache nor use_cache still gets each option's p̄."""
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny_llama().double()
+
+        def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)
+
+    model, prompt, options = Plain(), [5, 6, 7], [[8], [9, 10, 11]]
+    want = batching.padded_option_mean_probs(model.inner, prompt, options, 0, torch.device("cpu"))
+    assert batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu")) == pytest.approx(want, rel=1e-12)
 
 
 def test_a_model_without_a_repeatable_cache_takes_the_padded_path() -> None:
@@ -208,7 +224,7 @@ def test_score_batch_splits_long_pairs_within_the_token_budget(tokenizer, monkey
 
 def test_score_batch_keeps_rows_of_like_length_together(tokenizer, monkeypatch) -> None:
     """Every scoring batch holds rows of at least MIN_FILL of its longest, and the scores are
-    those of one unsplit batch."""
+    those of each pair scored alone."""
     guard = Guard((tiny_llama(seed=3), tokenizer))
     pairs = [("Q?", "word " * n) for n in (1, 40, 2, 38, 20, 3, 21)]
     whole = guard.score_batch(pairs, batch_size=1)

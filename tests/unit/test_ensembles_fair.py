@@ -166,7 +166,7 @@ def test_print_sve_choice_gives_the_source_cells_rate_and_spread_for_its_paramet
     (tmp_path / "results.json").write_text(json.dumps({"src:cell": {"facts": facts}, "dst:cell": {"facts": moved}}))
     args = ["--out", str(tmp_path), "--sve-parametrisation", "relative", "--print-sve-choice"]
     assert ensembles.main([*args, "src:cell"]) == 0
-    assert capsys.readouterr().out.split() == ["0.005", "0.02"]
+    assert capsys.readouterr().out.split() == ["0.005", "0.02", "relative", "scaled"]
     with pytest.raises(SystemExit, match="raw"):
         ensembles.main(["--out", str(tmp_path), "--print-sve-choice", "src:cell"])
     with pytest.raises(SystemExit, match="itself transferred"):

@@ -223,6 +223,18 @@ def test_bad_inputs_raise_clear_errors():
         ens.second_opinion("hi", "there")
 
 
+def test_generation_without_a_key_value_cache_is_an_error(monkeypatch):
+    """A model that returns no cache would let every step see only its last token: refused."""
+    import guarduq.sve.ensemble as ensemble_module
+
+    ens = SVEnsemble.from_model(tiny_llama(), members=2, tokenizer=tiny_tokenizer())
+    assert isinstance(ens.generate("hi", max_new_tokens=2), str)  # with a cache it generates
+    real = ensemble_module.forward_with_cache
+    monkeypatch.setattr(ensemble_module, "forward_with_cache", lambda *a, **kw: (real(*a, **kw)[0], None))
+    with pytest.raises(SVEError, match="no key/value cache"):
+        ens.generate("hi", max_new_tokens=2)
+
+
 # --------------------------------------------------------------------------- SVD cache
 
 
