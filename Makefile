@@ -194,7 +194,7 @@ SCALE_HALF_2 := arc commonsenseqa boolq
 lane_parts = $(subst +, ,$(SCALE_LANES))
 lane_models = $(sort $(foreach p,$(lane_parts),$(firstword $(subst @, ,$(p)))))
 scale-lanes: $(foreach m,$(filter-out gemma,$(lane_models)),model-qwen-$(m)) $(if $(filter gemma,$(lane_models)),$(BENCH_STAMP))
-	@for f in runs/lanes/*.pid; do test -f $$f && kill -0 -- -$$(cat $$f) 2>/dev/null && \
+	@for f in runs/lanes/*.pid; do test -f $$f && kill -0 -$$(cat $$f) 2>/dev/null && \
 	  { echo "scale-lanes: lanes are running ($$f); make scale-lanes-stop first"; exit 2; }; done; true
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
@@ -211,7 +211,7 @@ scale-lane:
 # Each lane is its own process group (setsid), named by runs/lanes/<lane>.pid: stopping it ends its
 # make, shell and Python processes whatever settings it was started with.
 scale-lanes-stop:
-	@for f in runs/lanes/*.pid; do test -f $$f && kill -- -$$(cat $$f) 2>/dev/null; rm -f $$f; done; \
+	@for f in runs/lanes/*.pid; do test -f $$f && kill -TERM -$$(cat $$f) 2>/dev/null; rm -f $$f; done; \
 	  echo "stopped (an interrupted batch is scored again next time)"
 SCALE_CMD ?= $(VENV)/bin/guarduq
 SCALE_SETS ?= $(QA_NAMES)
