@@ -156,9 +156,10 @@ risk-data-gemma: $(BENCH_STAMP)
 # The scale issue's risk data (docs/results/scale/): the seven QA sets on each model of the scale
 # table, in rounds of growing size so that every dataset has answers at any point (each round
 # reuses the hash-ordered start the last one scored). One thread per model (SCALE_THREADS), nice'd,
-# batch SCALE_BATCH. Seconds per answer on this 2-core CPU, one thread, alone: about 1.2 (SmolLM2), 4 (0.5B)
-# and 11 (1.5B); so the 504-per-dataset goal (3,528 answers) takes about 1.2 h, 4 h and 11 h (many
-# times that while other jobs share the CPU). All resume from $(SCALE_RUNS)/cache, committed
+# batch SCALE_BATCH. Seconds per answer on this 2-core CPU, one thread, a lane on each core: about
+# 1.2 (SmolLM2), 3-4 (0.5B; BoolQ's passages 10-15) and 10-12 (1.5B; BoolQ 30-40), so the
+# 504-per-dataset goal (3,528 answers) takes about 1.2 h, 3.5 h and 13 h of one core (many times
+# that while tests share the CPU). All resume from $(SCALE_RUNS)/cache, committed
 # (scores/README.md): a new checkout is a fresh machine, and only what is committed survives.
 SCALE_RUNS ?= $(SCORES)
 SCALE_ROUNDS ?= 16 64 160 320 504
@@ -199,7 +200,8 @@ scale-lanes: $(foreach m,$(filter-out gemma,$(lane_models)),model-qwen-$(m)) $(i
 	@git worktree remove --force $(LANES_TREE) 2>/dev/null; git worktree prune
 	@git worktree add -f --detach $(LANES_TREE) HEAD >/dev/null && mkdir -p runs/lanes
 	@for l in $(SCALE_LANES); do tag=runs/lanes/$$(echo $$l | tr @+ -_); \
-	  nohup setsid $(MAKE) --no-print-directory scale-lane LANE=$$l > $$tag.log 2>&1 & echo $$! > $$tag.pid; \
+	  nohup setsid sh -c 'echo 10 > /proc/self/autogroup 2>/dev/null; exec "$$@"' lane \
+	  $(MAKE) --no-print-directory scale-lane LANE=$$l > $$tag.log 2>&1 & echo $$! > $$tag.pid; \
 	  echo "lane $$l: in the background, log $$tag.log"; done
 # One lane in the foreground: make scale-lane LANE=0.5b+1.5b@2
 scale-lane:
@@ -208,8 +210,10 @@ scale-lane:
 	  *) target=risk-data-qwen-$$model;; esac; echo "lane $(LANE): $$target on $$sets"; \
 	  $(MAKE) --no-print-directory $$target SCALE_SETS="$$sets" SCALE_TAG=$$(case $$part in *@*) echo half$${part#*@};; esac) \
 	  SCALE_CMD="env PYTHONSAFEPATH=1 PYTHONPATH=$(abspath $(LANES_TREE)) $(abspath $(PY)) -m guarduq" || exit 1; done
-# Each lane is its own process group (setsid), named by runs/lanes/<lane>.pid: stopping it ends its
-# make, shell and Python processes whatever settings it was started with.
+# Each lane is its own session and process group (setsid), named by runs/lanes/<lane>.pid: stopping
+# it ends its make, shell and Python processes whatever settings it was started with. Linux shares
+# the CPU between sessions first (autogroups), where a process's own nice does not reach, so each
+# lane's session is niced too: without it the lanes took two thirds of the CPU from `make test`.
 scale-lanes-stop:
 	@for f in runs/lanes/*.pid; do test -f $$f && kill -TERM -$$(cat $$f) 2>/dev/null; rm -f $$f; done; \
 	  echo "stopped (an interrupted batch is scored again next time)"
