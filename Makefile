@@ -395,9 +395,9 @@ ensembles: $(BENCH_STAMP)
 # Issue 33's second opinion at scale (docs/results/scale/second_opinion/), in three steps:
 # - sve-scale: an 8-member SVE for SO_MODEL (the 1.5B) trained as SmolLM2's shipped one (`make sve`:
 #   the LM loss on right answers of four QA sets, never an item or question its calibrator scores,
-#   QWEN_CAL_LIMIT), scale-free, over the last 2 blocks, at the rate and spread `make ensembles`
-#   chose on SmolLM2 ARC-Easy dev, read from docs/ensembles/fair/results.json and carried unchanged
-#   (refused until that cell has run), 200 steps of 8 items a member, as the harness trains;
+#   QWEN_CAL_LIMIT), over the last 2 blocks, with the rate, spread and (scale-free) parametrisation
+#   `make ensembles` chose on SmolLM2 ARC-Easy dev, read from docs/ensembles/fair/results.json and
+#   carried unchanged (refused until that cell has run), 200 steps of 8 items a member, as there;
 # - risk-data-costly-scale: P(True) and that SVE's opinion added to COSTLY_LIMIT answers of each set
 #   of the model's scale cache (its hash-ordered start, so answers already scored are reused);
 # - second-opinion-scale: from those caches alone, each costly feature paired against same-pass
