@@ -17,6 +17,9 @@ Per model (no model is loaded; caches are read from private copies, so live ones
 * the gain of the gradient features, paired on the pooled test split: ``same-pass`` against the
   same set without any gradient feature, and each of ``log_epistemic`` and ``log_epistemic_norm``
   added alone to that set;
+* a risk model per dataset (what a calibrator fitted per traffic group gives when the group is
+  known), pooled, paired against the pooled risk, each dataset's error rate and the best single
+  signal;
 * the strictest alpha certified on the threshold split (delta 0.1), its test coverage and whether
   it held;
 * seconds per guarded answer and peak memory, where ``--cost`` gives the model's
@@ -84,6 +87,7 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
     cells = {"pooled": parts(records)} | {d: parts(rs) for d, rs in sorted(by_ds.items())}
     test_ds = np.array([r.dataset for r in records if split_of(group_of(r.id)) == "test"])
     pooled_risk: Any = None
+    own_risk = np.full(test_ds.size, np.nan)  # each dataset's own fit on its test items
     for d, split in cells.items():
         test_scores, y = split["test"]
         wrong = 1 - y
@@ -119,11 +123,46 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
                 cell["pooled_fit"] = bootstrap_auroc(1 - cells["pooled"]["test"][1][mask],
                                                      np.asarray(pooled_risk)[mask], n_boot=n_boot)
             res["datasets"][d] = cell
+            own = fits[RISK_SET]
+            if "risk" in own:
+                own_risk[test_ds == d] = own["risk"]
+    if by_ds and pooled_risk is not None:
+        res["per_group"] = per_group(cells, test_ds, np.asarray(pooled_risk), own_risk,
+                                     res["pooled"].get("best_single"), n_boot)
     if len(by_ds) >= 3:
         lodo = leave_one_dataset_out({d: labelled(rs) for d, rs in by_ds.items()},
                                      [Candidate(RISK_SET, SETS[RISK_SET])], SIGNALS, n_boot=0)
         res["lodo"] = {d: {"risk": lodo.rows[d][RISK_SET].get("auroc"), **lodo.singles[d]} for d in lodo.rows}
     return res
+
+
+def per_group(cells: dict[str, Any], test_ds: np.ndarray, pooled_risk: np.ndarray, own_risk: np.ndarray,
+              best: str | None, n_boot: int) -> dict[str, Any]:
+    """A risk model per dataset (each fitted on its own fit split; the pooled one where a dataset
+    cannot be fitted), as a calibrator fitted per traffic group serves when the group is known.
+
+    Knowing the group is itself a signal: its error rate on the fit split ranks the pooled test
+    items too. So the per-group risk is compared, paired, with that base rate, with the pooled
+    risk and with the best single signal.
+    """
+    test_scores, y = cells["pooled"]["test"]
+    wrong = 1 - y
+    risk = np.where(np.isfinite(own_risk), own_risk, pooled_risk)
+    base = np.zeros(test_ds.size)
+    for d in np.unique(test_ds):
+        base[test_ds == d] = 1 - float(np.mean(cells[d]["fit"][1])) if len(cells[d]["fit"][1]) else np.nan
+    out: dict[str, Any] = {
+        "auroc": bootstrap_auroc(wrong, risk, n_boot=n_boot),
+        "base_rate": bootstrap_auroc(wrong, base, n_boot=n_boot),
+        "vs_base_rate": paired_bootstrap_diff(wrong, risk, base, n_boot=n_boot),
+        "vs_pooled": paired_bootstrap_diff(wrong, risk, pooled_risk, n_boot=n_boot),
+        "fallback": sorted(str(d) for d in np.unique(test_ds[~np.isfinite(own_risk)])),
+    }
+    if best is not None:  # the pooled table's best single signal
+        out["best_single"] = best
+        sig = single_signals(test_scores, [best])[best]
+        out["vs_best_single"] = paired_bootstrap_diff(wrong, risk, sig, n_boot=n_boot)
+    return out
 
 
 def _f(x: float | None, nd: int = 2) -> str:
@@ -150,7 +189,10 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
              "wrong answers with bootstrap 95% intervals; gains are paired (both sets on the same test "
              "items). The calibrated risk is `same-pass` fitted pooled on the fit split (40%), its "
              "thresholds certified on the threshold split (30%, δ = 0.1), everything measured on the "
-             "test split (30%).", "", "## The scale table", "", head, sep,
+             "test split (30%). The risk with a model per dataset is what a calibrator fitted per traffic "
+             "group gives when each request's group is known: each dataset's own `same-pass` fit (the "
+             "pooled one where a dataset's fit split cannot be fitted); knowing the group is a signal by "
+             "itself, so it is compared with each dataset's error rate as well.", "", "## The scale table", "", head, sep,
              "| parameters | " + " | ".join(f"{r['n_params'] / 1e6:,.0f} M" if r["n_params"] else "–"
                                            for r in results) + " |",
              "| answers (test) | " + " | ".join(f"{r['n']:,} ({r['pooled']['n_test']:,})" for r in results) + " |",
@@ -164,6 +206,14 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
         f"**{_ci(r['pooled']['risk'][RISK_SET].get('auroc'))}**" for r in results) + " |")
     lines.append("| risk − best single, paired | " + " | ".join(
         f"{_gain(r['pooled'].get('risk_vs_best_single'))} vs `{r['pooled'].get('best_single')}`" for r in results) + " |")
+    pg = [r.get("per_group", {}) for r in results]
+    lines.append("| **risk with a model per dataset** (the group known), pooled | " + " | ".join(
+        f"**{_ci(g.get('auroc'))}**" for g in pg) + " |")
+    lines.append("| its error rate per dataset alone (fit split), pooled | " + " | ".join(
+        _ci(g.get("base_rate")) for g in pg) + " |")
+    for key, what in (("vs_pooled", "pooled risk"), ("vs_base_rate", "error rate per dataset"),
+                      ("vs_best_single", "best single")):
+        lines.append(f"| per-dataset risk − {what}, paired | " + " | ".join(_gain(g.get(key)) for g in pg) + " |")
     for s in SIGNALS:
         lines.append(f"| {s}, pooled | " + " | ".join(_ci(r["pooled"]["singles"].get(s)) for r in results) + " |")
     for name in ("+ log_epistemic", "+ log_epistemic_norm", "same-pass"):
@@ -229,6 +279,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         return
     x = np.array([r["n_params"] for r in rows], float)
     series = {"calibrated risk (same-pass)": lambda r: r["pooled"]["risk"][RISK_SET].get("auroc"),
+              "risk, a model per dataset": lambda r: r.get("per_group", {}).get("auroc"),
               "epistemic ‖∇p̄‖²": lambda r: r["pooled"]["singles"].get("log_epistemic"),
               "normalised ‖∇log p̄‖²": lambda r: r["pooled"]["singles"].get("log_epistemic_norm"),
               "mean log-probability": lambda r: r["pooled"]["singles"].get("mean_logprob"),
@@ -241,7 +292,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         lo = np.array([v[1] if v[1] is not None else np.nan for v in vals], float)
         hi = np.array([v[2] if v[2] is not None else np.nan for v in vals], float)
         xs = x * 10**off
-        style = {"lw": 2.5, "color": "k"} if label.startswith("calibrated") else {"lw": 1.2}
+        style = ({"lw": 2.5, "color": "k"} if label.startswith("calibrated") else
+                 {"lw": 2.5, "color": "k", "ls": ":"} if label.startswith("risk,") else {"lw": 1.2})
         ax.errorbar(xs, y, yerr=[y - lo, hi - y], marker="o", capsize=3, label=label, **style)
     ax.axhline(0.5, color="grey", ls="--", lw=0.8)
     ax.set_xscale("log")

@@ -62,3 +62,46 @@ def test_scale_table_finds_the_gradient_gain_only_where_it_exists(tmp_path: Path
                    "2.50× / 1.20×", "10/25/12 s (32 tokens)", "### big", "risk, pooled fit"):
         assert needle in page, needle
     assert (out / "scale_auroc.png").stat().st_size > 5000
+
+
+def _confounded_cache(path: Path, within: bool, seed: int) -> None:
+    """Three datasets whose error rates differ (25%, 50%, 85%) and whose answers are *more* likely
+    on the worse ones (Simpson's paradox for a pooled fit); inside each, log p̄ ranks wrong answers
+    only if ``within``."""
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for ds, (base, shift) in {"easy": (-1.1, -1.0), "mid": (0.0, 0.0), "hard": (1.7, 1.0)}.items():
+            for i in range(500):
+                z = rng.normal(0, 1)
+                logit = base - (1.5 * z if within else 0.0)  # P(wrong)
+                label = int(rng.uniform() >= 1 / (1 + np.exp(-logit)))
+                lp = -1.0 + 0.3 * z + shift  # the hard dataset's answers look confident
+                p = float(np.exp(min(lp, -1e-3)))
+                scores = {"epistemic": float(np.exp(rng.normal(0, 1) + 2 * lp)), "mean_token_prob": p,
+                          "aleatoric": p * (1 - p), "mean_logprob": lp, "min_token_prob": p / 2,
+                          "mean_entropy": float(rng.uniform(0, 3)), "n_tokens": int(rng.integers(1, 30)),
+                          "n_params": 1_000_000, "valid": True,
+                          "grad_profile": {"embed": 1.0, "block.0.attn": 1.0, "block.0.mlp": 1.0,
+                                           "block.1.attn": 1.0, "block.1.mlp": float(rng.uniform(0.5, 1)),
+                                           "block.2.attn": 1.0, "block.2.mlp": 1.0}}
+                rec = ScoredItem(id=f"{ds}:{i}", dataset=ds, kind="labelled", prompt_hash="h", model_fingerprint="f",
+                                 response="r", label=label, scores=scores, split="fit")
+                f.write(json.dumps(asdict(rec)) + "\n")
+
+
+def test_a_model_per_dataset_is_compared_with_the_datasets_error_rates(tmp_path: Path) -> None:
+    _confounded_cache(tmp_path / "within.jsonl", within=True, seed=3)
+    _confounded_cache(tmp_path / "between.jsonl", within=False, seed=4)
+    mod = load_benchmark("scale")
+    out = tmp_path / "out"
+    assert mod.main(["--cache", f"within={tmp_path}/within.jsonl", "--cache", f"between={tmp_path}/between.jsonl",
+                     "--out", str(out), "--n-boot", "200"]) == 0
+    res = {r["model"]: r["per_group"] for r in json.loads((out / "scale.json").read_text())}
+    # Inside each dataset log p̄ ranks: per-dataset fits beat the pooled one, which the confound
+    # misleads, and beat knowing the dataset alone.
+    assert res["within"]["vs_pooled"][1] > 0 and res["within"]["vs_base_rate"][1] > 0.02
+    assert res["within"]["fallback"] == []
+    # Only the error rates differ: a model per dataset adds nothing to knowing the dataset.
+    assert res["between"]["base_rate"][0] > 0.7
+    assert res["between"]["vs_base_rate"][1] < 0 < res["between"]["vs_base_rate"][2]
+    assert "risk with a model per dataset" in (out / "scale.md").read_text()
