@@ -87,7 +87,6 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
     cells = {"pooled": parts(records)} | {d: parts(rs) for d, rs in sorted(by_ds.items())}
     test_ds = np.array([r.dataset for r in records if split_of(group_of(r.id)) == "test"])
     pooled_risk: Any = None
-    own_risk = np.full(test_ds.size, np.nan)  # each dataset's own fit on its test items
     for d, split in cells.items():
         test_scores, y = split["test"]
         wrong = 1 - y
@@ -123,12 +122,9 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
                 cell["pooled_fit"] = bootstrap_auroc(1 - cells["pooled"]["test"][1][mask],
                                                      np.asarray(pooled_risk)[mask], n_boot=n_boot)
             res["datasets"][d] = cell
-            own = fits[RISK_SET]
-            if "risk" in own:
-                own_risk[test_ds == d] = own["risk"]
     if by_ds and pooled_risk is not None:
-        res["per_group"] = per_group(cells, test_ds, np.asarray(pooled_risk), own_risk,
-                                     res["pooled"].get("best_single"), n_boot)
+        res["per_group"] = per_group(records, cells, np.asarray(pooled_risk), res["pooled"].get("best_single"),
+                                     n_boot)
     if len(by_ds) >= 3:
         lodo = leave_one_dataset_out({d: labelled(rs) for d, rs in by_ds.items()},
                                      [Candidate(RISK_SET, SETS[RISK_SET])], SIGNALS, n_boot=0)
@@ -136,27 +132,37 @@ def analyse(model: str, records: list[Any], n_boot: int) -> dict[str, Any]:
     return res
 
 
-def per_group(cells: dict[str, Any], test_ds: np.ndarray, pooled_risk: np.ndarray, own_risk: np.ndarray,
-              best: str | None, n_boot: int) -> dict[str, Any]:
-    """A risk model per dataset (each fitted on its own fit split; the pooled one where a dataset
-    cannot be fitted), as a calibrator fitted per traffic group serves when the group is known.
+def per_group(records: list[Any], cells: dict[str, Any], pooled_risk: np.ndarray, best: str | None,
+              n_boot: int) -> dict[str, Any]:
+    """``Calibrator(per_group=True)`` with each item's dataset as its traffic group: a model per
+    dataset (the pooled one for a dataset too small for its own), certified and measured on the
+    risk as served when each request's group is known.
 
     Knowing the group is itself a signal: its error rate on the fit split ranks the pooled test
     items too. So the per-group risk is compared, paired, with that base rate, with the pooled
     risk and with the best single signal.
     """
-    test_scores, y = cells["pooled"]["test"]
-    wrong = 1 - y
-    risk = np.where(np.isfinite(own_risk), own_risk, pooled_risk)
+    names: dict[str, list[str]] = defaultdict(list)
+    for r in records:  # in the order parts() keeps
+        names[split_of(group_of(r.id))].append(r.dataset)
+    split = cells["pooled"]
+    m = fit_and_test(SETS[RISK_SET], split["fit"], split["test"], threshold=split["threshold"],
+                     per_group=names, alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
+    if "error" in m:
+        return {"error": m["error"]}
+    test_scores, y = split["test"]
+    wrong, risk, test_ds = 1 - y, np.asarray(m["risk"]), np.array(names["test"])
     base = np.zeros(test_ds.size)
     for d in np.unique(test_ds):
         base[test_ds == d] = 1 - float(np.mean(cells[d]["fit"][1])) if len(cells[d]["fit"][1]) else np.nan
     out: dict[str, Any] = {
-        "auroc": bootstrap_auroc(wrong, risk, n_boot=n_boot),
+        "auroc": (m["auroc"], *m["ci"]),
+        "ece": m["ece"],
+        "strictest": _strictest(m.get("guarantees", [])),
+        "pooled_for": m["pooled_for"],
         "base_rate": bootstrap_auroc(wrong, base, n_boot=n_boot),
         "vs_base_rate": paired_bootstrap_diff(wrong, risk, base, n_boot=n_boot),
         "vs_pooled": paired_bootstrap_diff(wrong, risk, pooled_risk, n_boot=n_boot),
-        "fallback": sorted(str(d) for d in np.unique(test_ds[~np.isfinite(own_risk)])),
     }
     if best is not None:  # the pooled table's best single signal
         out["best_single"] = best
@@ -190,9 +196,10 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
              "items). The calibrated risk is `same-pass` fitted pooled on the fit split (40%), its "
              "thresholds certified on the threshold split (30%, δ = 0.1), everything measured on the "
              "test split (30%). The risk with a model per dataset is what a calibrator fitted per traffic "
-             "group gives when each request's group is known: each dataset's own `same-pass` fit (the "
-             "pooled one where a dataset's fit split cannot be fitted); knowing the group is a signal by "
-             "itself, so it is compared with each dataset's error rate as well.", "", "## The scale table", "", head, sep,
+             "group gives when each request's group is known (`Calibrator(per_group=True)`, `guarduq "
+             "calibrate --per-dataset`): each dataset's own `same-pass` fit, the pooled one for a dataset "
+             "whose fit split is too small; its thresholds certified on the risk as served. Knowing the "
+             "group is a signal by itself, so it is compared with each dataset's error rate as well.", "", "## The scale table", "", head, sep,
              "| parameters | " + " | ".join(f"{r['n_params'] / 1e6:,.0f} M" if r["n_params"] else "–"
                                            for r in results) + " |",
              "| answers (test) | " + " | ".join(f"{r['n']:,} ({r['pooled']['n_test']:,})" for r in results) + " |",
@@ -230,6 +237,8 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
         return f"α = {g['alpha']:g}: coverage {g['coverage']:.2f}, {'held' if g['held'] else 'NOT held'}"
 
     lines.append("| strictest α certified (test coverage, held?) | " + " | ".join(strictest(r) for r in results) + " |")
+    lines.append("| strictest α certified with a model per dataset (test coverage, held?) | " + " | ".join(
+        strictest({"pooled": {"risk": {RISK_SET: r.get("per_group", {})}}}) for r in results) + " |")
     lines.append("| ECE of the risk, pooled | " + " | ".join(
         _f(r["pooled"]["risk"][RISK_SET].get("ece"), 3) for r in results) + " |")
 

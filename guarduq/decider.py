@@ -219,11 +219,13 @@ def pair_attribute(name: str) -> property:
 
 
 def calibrated_signals(
-    calibrator: Calibrator | None, scores: Scores, extra: dict[str, float] | None = None
+    calibrator: Calibrator | None, scores: Scores, extra: dict[str, float] | None = None,
+    group: str | None = None,
 ) -> dict[str, float]:
     """``risk`` and the z-scores (``epistemic_z``, ``aleatoric_z``) the calibrator can give.
 
-    ``extra``: opt-in features computed outside the scoring pass (e.g. ``p_true``).
+    ``extra``: opt-in features computed outside the scoring pass (e.g. ``p_true``); ``group``:
+    the reply's traffic group, whose own risk model a per-group calibrator serves.
 
     The z-scores use the calibrator's own standardisation (its scaler was fitted on this model's
     calibration data), so 1.0 means one standard deviation above this model's usual value.
@@ -232,7 +234,7 @@ def calibrated_signals(
         return {}
     if extra:
         scores = {**scores.to_dict(with_token_probs=False), **extra}  # type: ignore[assignment]
-    out = {"risk": calibrator.risk(scores)}
+    out = {"risk": calibrator.risk(scores, group=group)}
     x, ok = feature_matrix([scores], calibrator.features)
     scaler = calibrator.pipeline_.named_steps["scale"]
     z = (x[0] - scaler.mean_) / scaler.scale_

@@ -404,9 +404,9 @@ class Guard:
         t0 = time.perf_counter()
         pair = self.decider  # read once: a reload never pairs an old policy with a new calibrator
         policy, calibrator = pair.policy, pair.calibrator
-        calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator))
-        case = self.drift.case() if self.drift is not None else None
         group = current_group() or group_of(policy)  # traffic_group(...), else the policy's default
+        calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator), group)
+        case = self.drift.case() if self.drift is not None else None
         ctx = in_force(policy, calibrator, group, case.label if case is not None else None)
         decision = None
         if policy is not None and not r.scores.valid:

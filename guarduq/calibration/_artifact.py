@@ -20,10 +20,13 @@ from guarduq.errors import ArtifactError
 
 FORMAT = "guarduq-calibrator"
 # 2 adds feature_set and logistic.cv; 3 (written only for a within fit) adds logistic.within,
-# so an older guarduq refuses such an artifact as too new instead of calling it corrupt.
+# so an older guarduq refuses such an artifact as too new instead of calling it corrupt; 4
+# (written only for a per-group fit) adds group_models, which an older reader would ignore and
+# so serve the pooled risk under thresholds certified on the groups' own.
 FORMAT_VERSION = 2
 FORMAT_VERSION_WITHIN = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION_GROUPS = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 class _ModelRef(BaseModel):
@@ -54,6 +57,15 @@ class _Logistic(BaseModel):
     C: float
     cv: _CV | None = None
     within: list[str] | None = None  # the groups a within-dataset fit learned from
+
+
+class _GroupModel(BaseModel):
+    """One traffic group's own risk model (``Calibrator(per_group=True)``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
+    scaler: _Scaler
+    logistic: _Logistic
+    n_fit: int
 
 
 class _ThresholdModel(BaseModel):
@@ -93,7 +105,7 @@ class _Cascade(BaseModel):
 class Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # saved as strict JSON
     format: Literal["guarduq-calibrator"]
-    format_version: Literal[1, 2, 3]
+    format_version: Literal[1, 2, 3, 4]
     guarduq_version: str
     created: str
     model: _ModelRef
@@ -106,6 +118,8 @@ class Artifact(BaseModel):
     n_fit_invalid: int
     thresholds: list[_ThresholdModel]
     group_thresholds: dict[str, list[_ThresholdModel]] | None = None  # per traffic group (groups.py)
+    group_models: dict[str, _GroupModel] | None = None  # a per-group fit's models (group_models.py)
+    group_fallback: dict[str, str] | None = None  # the groups its pooled model serves, and why
     metrics: dict[str, Any]
     datasets: list[_DatasetRef]
     split: dict[str, float] | None = None
@@ -176,3 +190,9 @@ def fitted_for(path: Path, model: str | None) -> str:
         return (f"none ships for it yet: `{alias.calibrate}` fits one into policies/calibrators/{model}.json "
                 f"and writes its policy, policies/{model}.yaml")
     return ""
+
+
+def fit_one_hint(model: str) -> str:
+    """How a user gets a calibrator (and a policy on it) for a model none ships for."""
+    return (f"fit a calibrator for {model} (guarduq calibrate --model ... --out mine.json), then write "
+            "a policy on it (guarduq policy init --calibrator mine.json --out mine.yaml)")

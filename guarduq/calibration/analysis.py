@@ -130,22 +130,27 @@ def fit_and_test(
     threshold: Labelled | None = None,
     C: float | str = "cv",
     fit_groups: Sequence[str] | None = None,
+    per_group: Mapping[str, Sequence[str]] | None = None,
     alphas: Sequence[float] = (0.3, 0.4, 0.5),
     delta: float = 0.1,
     n_boot: int = 1000,
 ) -> dict[str, Any]:
     """Fit on ``fit``, choose thresholds on ``threshold`` (if given), measure on ``test``.
 
-    ``fit_groups`` (the dataset of each fit item) makes it a within-dataset fit. ``error`` is set
+    ``fit_groups`` (the dataset of each fit item) makes it a within-dataset fit; ``per_group``
+    (each item's group in each split: ``fit``, ``threshold``, ``test``) a fit with a model per
+    group, served and certified with each item's group. ``error`` is set
     instead of the metrics when the fit split cannot be fitted (too few items, one class): the
     caller reports a dash, not a crash.
     """
-    cal = Calibrator(tuple(features), C=C, within_groups=fit_groups is not None)  # type: ignore[arg-type]
+    g = per_group or {}
+    cal = Calibrator(tuple(features), C=C, within_groups=fit_groups is not None,  # type: ignore[arg-type]
+                     per_group=per_group is not None)
     try:
-        cal.fit(fit[0], fit[1], groups=fit_groups)
+        cal.fit(fit[0], fit[1], groups=g.get("fit", fit_groups))
     except CalibrationError as exc:
         return {"error": str(exc)}
-    risk = cal.predict_risk(test[0])
+    risk = cal.predict_risk(test[0], g.get("test"))
     y = np.asarray(test[1], int)
     auc, lo, hi = bootstrap_auroc(1 - y, risk, n_boot=n_boot)
     floor, floor_p95 = ece_floor(1 - risk) if y.size else (None, None)
@@ -158,11 +163,12 @@ def fit_and_test(
         "n_test": int(y.size),
         "C": cal.C_,
         "coefficients": cal.coefficients(),
+        **({"group_models": sorted(cal.group_models_), "pooled_for": cal.group_fallback_} if per_group else {}),
         "risk": risk,
     }
     if threshold is not None and len(threshold[0]):
         try:
-            cal.fit_thresholds(threshold[0], threshold[1], alphas=alphas, delta=delta)
+            cal.fit_thresholds(threshold[0], threshold[1], alphas=alphas, delta=delta, groups=g.get("threshold"))
         except CalibrationError as exc:
             out["threshold_error"] = str(exc)
         else:

@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 import numpy as np
 from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import StratifiedKFold
 from sklearn.preprocessing import StandardScaler
 
 from guarduq._logging import get_logger
@@ -48,9 +47,11 @@ from guarduq._version import __version__
 from guarduq.calibration._artifact import (  # noqa: F401 - the format's names, re-exported
     FORMAT,
     FORMAT_VERSION,
+    FORMAT_VERSION_GROUPS,
     FORMAT_VERSION_WITHIN,
     READABLE_VERSIONS,
     Artifact,
+    fit_one_hint,
     fitted_for,
     read_artifact,
     strict_json,
@@ -66,9 +67,18 @@ from guarduq.calibration.features import (
     missing_features,
     resolve_features,
 )
+from guarduq.calibration.group_models import (
+    GroupModel,
+    apply_group_models,
+    fit_group_models,
+    group_array,
+    models_from_json,
+    models_to_json,
+)
 from guarduq.calibration.logistic import (
+    choose_C,
     fixed_pipeline,
-    held_out_logits,
+    normalised_weights,
     pipeline,
     standardisation,
     within_fit,
@@ -89,7 +99,6 @@ MIN_FIT_ITEMS = 10
 # toward "risk = base rate", 100 = almost unregularised).
 CV_GRID: tuple[float, ...] = tuple(float(c) for c in np.logspace(-3, 2, 11))
 CV_FOLDS = 5
-CV_SCORING = "neg_log_loss"
 
 
 # --------------------------------------------------------------------------- the calibrator
@@ -102,11 +111,14 @@ class Calibrator:
     ``FEATURE_SETS``, a comma list, or a sequence of names in ``FEATURES``), ``C`` (inverse L2
     strength, or ``"cv"`` to choose it from ``cv_grid`` by stratified ``cv_folds``-fold
     cross-validation), ``within_groups`` (learn each feature's direction inside the groups given
-    to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`), and the
+    to ``fit``, usually datasets, instead of across them: :func:`logistic.within_fit`),
+    ``per_group`` (besides the pooled model, one model per group given to ``fit``, served to
+    requests of that traffic group: :mod:`~guarduq.calibration.group_models`), and the
     model's ``model_name`` / ``model_fingerprint`` the artifact is bound to, and ``model_source``
     (an alias, an absolute path or a hub id) that loads that model again. Fitted state ends in
     ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
-    within, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
+    within, ``group_models_`` / ``group_fallback_`` the per-group models and the groups the pooled
+    model serves with the reason, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
     any other set are refused, as their epistemic is another quantity).
     """
 
@@ -118,6 +130,7 @@ class Calibrator:
         cv_grid: Sequence[float] = CV_GRID,
         cv_folds: int = CV_FOLDS,
         within_groups: bool = False,
+        per_group: bool = False,
         model_name: str | None = None,
         model_fingerprint: str | None = None,
         model_source: str | None = None,
@@ -133,6 +146,10 @@ class Calibrator:
         self.cv_grid = tuple(sorted(float(c) for c in cv_grid))
         self.cv_folds = int(cv_folds)
         self.within_groups = bool(within_groups)
+        self.per_group = bool(per_group)
+        if self.within_groups and self.per_group:
+            raise CalibrationError("within_groups and per_group are exclusive: one learns a single model "
+                                   "across groups, the other a model per group")
         self.model_name = model_name
         self.model_fingerprint = model_fingerprint
         self.model_source = model_source  # how to load the model again: an alias, a path, a hub id
@@ -145,6 +162,8 @@ class Calibrator:
         self.drift_reference_: dict[str, list[Any]] | None = None  # every calibration item (drift_groups)
         self.cv_: dict[str, Any] | None = None
         self.groups_: list[str] | None = None
+        self.group_models_: dict[str, GroupModel] = {}
+        self.group_fallback_: dict[str, str] = {}
         self.parameter_set_: str = ALL_PARAMETERS
         self._sha256: str | None = None
         self.created_: str | None = None
@@ -166,7 +185,8 @@ class Calibrator:
     ) -> Calibrator:
         """Fit the scaler + logistic regression on valid rows (invalid ones are counted, excluded).
 
-        ``groups`` (one name per item, e.g. its dataset) is needed by ``within_groups=True``.
+        ``groups`` (one name per item, e.g. its dataset; None: no group) is needed by
+        ``within_groups=True`` and ``per_group=True``.
         ``sample_weight`` (one positive number per item, e.g. the inverse inclusion probability
         of a reviewed reply) weights each item's log-loss; it is rescaled to mean 1 over the valid
         rows, so ``C`` keeps its meaning per item. Pooled fits only.
@@ -186,7 +206,7 @@ class Calibrator:
         X, ok = feature_matrix(scores, self.features)
         y = _labels(labels, len(scores))
         X, y = X[ok], y[ok]
-        weights = _weights(sample_weight, len(scores), ok, grouped=codes is not None)
+        weights = normalised_weights(sample_weight, len(scores), ok, grouped=codes is not None)
         present: list[str] = []  # the groups left after invalid rows are dropped
         if codes is not None:
             codes = codes[ok]
@@ -222,8 +242,9 @@ class Calibrator:
             log.info("calibration_within_groups", groups=self.groups_)
         self.pipeline_ = pipe
         self.C_ = C
+        self._fit_groups(scores, labels, groups, sample_weight)
         # Kept in memory only, for fit_thresholds to learn where its test should start.
-        self.fit_risk_, self.fit_wrong_ = pipe.predict_proba(X)[:, 1], target
+        self.fit_risk_, self.fit_wrong_ = self.predict_risk(scores, groups)[ok], target
         self.n_fit_ = int(y.size)
         self.reference_ = reference_quantiles(
             [sc for sc, keep in zip(scores, ok, strict=True) if keep], drift_features(self.features)
@@ -231,6 +252,28 @@ class Calibrator:
         self.created_ = datetime.now(UTC).isoformat(timespec="seconds")
         self._sha256 = None
         return self
+
+    def _fit_groups(self, scores: list[ScoreLike], labels: Iterable[Any], groups: Sequence[str | None] | None,
+                    sample_weight: Sequence[float] | None) -> None:
+        """``per_group``: a model per group that supports one (group_models.fit_group_models)."""
+        self.group_models_, self.group_fallback_ = {}, {}
+        if not self.per_group:
+            return
+        g = group_array(groups, len(scores))
+        if g is None:
+            raise CalibrationError("per_group=True fits a model per group: pass groups= to fit "
+                                   "(each item's traffic group or dataset)")
+        _, ok = feature_matrix(scores, self.features)
+
+        def fit_one(sc: list[Any], y: np.ndarray, w: np.ndarray | None) -> Calibrator:
+            return Calibrator(self.features, C=self.C, cv_grid=self.cv_grid, cv_folds=self.cv_folds).fit(
+                sc, y, sample_weight=w)
+
+        y = _labels(labels, len(scores))
+        weights = None if sample_weight is None else np.asarray(list(sample_weight), float)[ok]
+        self.group_models_, self.group_fallback_ = fit_group_models(fit_one, scores, y, ok, g, weights)
+        log.info("calibration_per_group", models={k: m.n_fit for k, m in self.group_models_.items()},
+                 pooled_for=sorted(self.group_fallback_))
 
     def _group_codes(
         self, groups: Sequence[str] | None, n: int
@@ -252,44 +295,10 @@ class Calibrator:
         self, X: np.ndarray, target: np.ndarray, codes: np.ndarray | None = None,
         weights: np.ndarray | None = None,
     ) -> tuple[float, dict[str, Any] | None]:
-        """The given C, or the CV choice (ties go to the stronger prior, the smaller C).
-
-        With ``weights``, each fold is fitted and scored with them (a weighted mean held-out
-        log-loss), the same objective the final fit minimises.
-
-        A within fit is scored as the fixed-effects model it fits: each held-out item with its
-        own group's intercept (``logistic.held_out_logits``), so C is tuned for the within
-        coefficients; serving then shares one intercept.
-        """
+        """The given C, or the CV choice (:func:`logistic.choose_C`)."""
         if self.C != "cv":
             return float(self.C), None
-        folds = min(self.cv_folds, int(np.bincount(target, minlength=2).min()))
-        if folds < 2:
-            log.warning("cv_skipped_too_few", minority=folds, C=1.0)
-            return 1.0, None
-        # Scaler and logistic refitted per fold, on scikit-learn's objective, by a small Newton
-        # solver: 11 x 5 sklearn fits cost more in input checks than in arithmetic.
-        losses = np.zeros((folds, len(self.cv_grid)))
-        splits = StratifiedKFold(folds, shuffle=True, random_state=0).split(X, target)
-        for i, (tr, te) in enumerate(splits):
-            mu, sd = standardisation(X[tr])
-            a, b = (X[tr] - mu) / sd, (X[te] - mu) / sd
-            t = target[te].astype(float)
-            g_tr, g_te = (codes[tr], codes[te]) if codes is not None else (None, None)
-            w_tr, w_te = (weights[tr], weights[te]) if weights is not None else (None, None)
-            for j, c in enumerate(self.cv_grid):
-                z = held_out_logits(a, target[tr].astype(float), c, b, g_tr, g_te, weights_a=w_tr)
-                p = np.clip(1 / (1 + np.exp(-z)), 1e-15, 1 - 1e-15)
-                losses[i, j] = -np.average(t * np.log(p) + (1 - t) * np.log(1 - p), weights=w_te)
-        means = -losses.mean(axis=0)  # neg_log_loss: higher is better
-        best = int(np.flatnonzero(means >= means.max() - 1e-12)[0])  # grid ascends: smallest C
-        cv = {
-            "grid": list(self.cv_grid),
-            "folds": folds,
-            "scoring": CV_SCORING,
-            "mean_scores": [float(m) for m in means],
-        }
-        return float(self.cv_grid[best]), cv
+        return choose_C(X, target, self.cv_grid, self.cv_folds, codes, weights)
 
     def coefficients(self) -> dict[str, float]:
         """Standardised logistic coefficient per feature, on P(wrong): > 0 = larger means riskier."""
@@ -301,8 +310,11 @@ class Calibrator:
         if not hasattr(self, "pipeline_"):
             raise CalibrationError("calibrator is not fitted; call fit() or Calibrator.load()")
 
-    def predict_risk(self, scores: Sequence[ScoreLike]) -> np.ndarray:
-        """P(wrong | scores) per response; 1.0 (fail closed) for invalid or non-finite scores."""
+    def predict_risk(self, scores: Sequence[ScoreLike], groups: Sequence[str | None] | None = None) -> np.ndarray:
+        """P(wrong | scores) per response; 1.0 (fail closed) for invalid or non-finite scores.
+
+        ``groups``: each response's traffic group (None: unknown); a group with a model of its
+        own (``per_group``) gets that model's risk, every other response the pooled one."""
         self._check_fitted()
         scores = list(scores)
         self.check_parameter_set(scores)
@@ -310,7 +322,7 @@ class Calibrator:
         risk = np.ones(len(scores), dtype=float)
         if ok.any():
             risk[ok] = self.pipeline_.predict_proba(X[ok])[:, 1]
-        return risk
+        return apply_group_models(risk, X, ok, group_array(groups, len(scores)), self.group_models_)
 
     def check_parameter_set(self, scores: Iterable[ScoreLike] | str) -> None:
         """``CalibrationError`` unless ``scores`` (or a parameter-set name) match the fitted set."""
@@ -322,9 +334,9 @@ class Calibrator:
                 "or fit one for this set)"
             )
 
-    def risk(self, scores: ScoreLike) -> float:
-        """``predict_risk`` for one response."""
-        return float(self.predict_risk([scores])[0])
+    def risk(self, scores: ScoreLike, group: str | None = None) -> float:
+        """``predict_risk`` for one response of traffic group ``group``."""
+        return float(self.predict_risk([scores], None if group is None else [group])[0])
 
     def fit_thresholds(
         self,
@@ -332,13 +344,15 @@ class Calibrator:
         labels: Iterable[Any],
         alphas: Sequence[float] = (0.1, 0.2, 0.3),
         delta: float = 0.1,
+        groups: Sequence[str | None] | None = None,
     ) -> list[Threshold]:
-        """Choose one guaranteed threshold per alpha on labelled data *not* used by ``fit``."""
+        """Choose one guaranteed threshold per alpha on labelled data *not* used by ``fit``
+        (``groups``: each item's traffic group, so the risk certified is the risk served)."""
         self._check_fitted()
         scores = list(scores)
         y = _labels(labels, len(scores))
         _, ok = feature_matrix(scores, self.features)
-        risk = self.predict_risk(scores)[ok]
+        risk = self.predict_risk(scores, groups)[ok]
         wrong = 1 - y[ok]
         if wrong.size == 0:
             raise CalibrationError("no valid items to choose thresholds on")
@@ -372,8 +386,10 @@ class Calibrator:
         scores: Sequence[ScoreLike],
         labels: Iterable[Any],
         datasets: Sequence[str] | None = None,
+        groups: Sequence[str | None] | None = None,
     ) -> Evaluation:
-        """Metrics on labelled data and whether each stored guarantee held on it."""
+        """Metrics on labelled data and whether each stored guarantee held on it (``groups``:
+        each item's traffic group, for ``predict_risk``)."""
         self._check_fitted()
         scores = list(scores)
         y = _labels(labels, len(scores))
@@ -384,7 +400,7 @@ class Calibrator:
         ).reshape(len(scores), len(raw_fields))
         ok &= np.isfinite(raw).all(axis=1)  # raw signals must be finite too, or AUROCs see NaNs
         signals = {k: raw[ok, j] for j, k in enumerate(raw_fields)}
-        signals["risk"] = self.predict_risk(scores)[ok]
+        signals["risk"] = self.predict_risk(scores, groups)[ok]
         ds = np.asarray(datasets, dtype=str)[ok] if datasets is not None else None
         return Evaluation.from_arrays(
             y[ok],
@@ -419,7 +435,7 @@ class Calibrator:
             msg = (
                 f"calibrator was fitted for model '{self.model_name}' (fingerprint "
                 f"{self.model_fingerprint}), not for {this} (fingerprint {fingerprint}); raw "
-                f"scores do not transfer across models: {hint or _fit_one(this)}"
+                f"scores do not transfer across models: {hint or fit_one_hint(this)}"
             )
             if not allow_mismatch:
                 raise FingerprintMismatchError(msg)
@@ -438,7 +454,8 @@ class Calibrator:
         logistic: LogisticRegression = self.pipeline_.named_steps["logistic"]
         out = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION if self.groups_ is None else FORMAT_VERSION_WITHIN,
+            "format_version": (FORMAT_VERSION_GROUPS if self.per_group else
+                               FORMAT_VERSION if self.groups_ is None else FORMAT_VERSION_WITHIN),
             "guarduq_version": __version__,
             "created": self.created_ or datetime.now(UTC).isoformat(timespec="seconds"),
             "model": {"name": self.model_name, "fingerprint": self.model_fingerprint,
@@ -457,6 +474,8 @@ class Calibrator:
             "n_fit": self.n_fit_,
             "n_fit_invalid": self.n_fit_invalid_,
             "thresholds": [asdict(t) for t in self.thresholds_],
+            **({"group_models": models_to_json(self.group_models_), "group_fallback": self.group_fallback_}
+               if self.per_group else {}),
             **({"group_thresholds": {g: [asdict(t) for t in ts] for g, ts in self.group_thresholds_.items()}}
                if self.group_thresholds_ else {}),
             "metrics": strict_json(self.metrics_),
@@ -531,6 +550,12 @@ class Calibrator:
             raise ArtifactError(f"{path}: {exc}") from exc
         self.within_groups = art.logistic.within is not None
         self.groups_ = art.logistic.within
+        self.per_group = art.group_models is not None
+        try:
+            self.group_models_ = models_from_json(art.group_models or {}, k)
+        except ValueError as exc:
+            raise ArtifactError(f"{path}: {exc}") from exc
+        self.group_fallback_ = dict(art.group_fallback or {})
         self.cv_ = art.logistic.cv.model_dump() if art.logistic.cv is not None else None
         if art.feature_set is not None:
             self.feature_set = art.feature_set
@@ -563,23 +588,6 @@ class Calibrator:
         return f"Calibrator(features={name}{list(self.features)}, model={self.model_name!r}, {fitted})"
 
 
-def _weights(
-    sample_weight: Sequence[float] | None, n: int, ok: np.ndarray, *, grouped: bool
-) -> np.ndarray | None:
-    """The valid rows' weights, rescaled to mean 1; None when none were given."""
-    if sample_weight is None:
-        return None
-    if grouped:
-        raise CalibrationError("sample_weight is supported by pooled fits only (not within_groups)")
-    w = np.asarray(list(sample_weight), dtype=float)
-    if w.shape != (n,):
-        raise CalibrationError(f"sample_weight has {w.size} values for {n} items")
-    if not (np.isfinite(w).all() and (w > 0).all()):
-        raise CalibrationError("sample_weight must hold finite positive numbers")
-    w = w[ok]
-    return w / w.mean() if w.size else w
-
-
 def _as_float(x: Any) -> float:
     try:
         return float(x)
@@ -591,9 +599,3 @@ def _parameter_set(s: ScoreLike) -> str:
     """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
     value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
     return str(value) if value else ALL_PARAMETERS
-
-
-def _fit_one(model: str) -> str:
-    """How a user gets a calibrator (and a policy on it) for a model none ships for."""
-    return (f"fit a calibrator for {model} (guarduq calibrate --model ... --out mine.json), then write "
-            "a policy on it (guarduq policy init --calibrator mine.json --out mine.yaml)")

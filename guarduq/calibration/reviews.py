@@ -185,9 +185,10 @@ def group_certificates(cal: Any, parts: Mapping[str, Sequence[Any]], datasets: S
     names = [group.get(r.id) for r in held]
     if not any(names):
         return {}
-    starts = group_starts(cal.predict_risk([r.scores for r in fit]), [1 - int(r.label) for r in fit],
-                          [group.get(r.id) for r in fit], alphas, delta) if fit else None
-    risk = cal.predict_risk([r.scores for r in held])
+    fit_names = [group.get(r.id) for r in fit]
+    starts = group_starts(cal.predict_risk([r.scores for r in fit], fit_names), [1 - int(r.label) for r in fit],
+                          fit_names, alphas, delta) if fit else None
+    risk = cal.predict_risk([r.scores for r in held], names)
     table = certify_groups(risk, [1 - int(r.label) for r in held], names, alphas, delta, starts)
     for g, ts in table.items():
         log.info("group_certificates", group=g, n=ts[0].n if ts else 0,

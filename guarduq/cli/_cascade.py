@@ -39,10 +39,14 @@ def _cmd_cascade(args: argparse.Namespace, C: float | str, alphas: Sequence[floa
         raise InputError(f"--cascade-on fits the band above one threshold: give one --alpha in (0, 1), got {list(alphas)}")
     if not 0 < args.band_share <= 1:
         raise InputError(f"--band-share must be in (0, 1], got {args.band_share}")
-    if args.within_datasets or args.features in FEATURE_RULES or REVIEWS in args.dataset:
-        raise InputError("--cascade-on fits a pooled second stage: drop --within-datasets, feature rules and reviews")
+    if args.within_datasets or args.per_dataset or args.features in FEATURE_RULES or REVIEWS in args.dataset:
+        raise InputError("--cascade-on fits a pooled second stage: drop --within-datasets, --per-dataset, "
+                         "feature rules and reviews")
     alpha = alphas[0]
     first = Calibrator.load(args.cascade_on)
+    if first.per_group:  # its risk depends on the traffic group, which the band and fit here do not see
+        raise InputError(f"--cascade-on {args.cascade_on}: a per-group first stage is not supported; "
+                         "fit the first stage without --per-dataset")
     features = args.features if args.features != DEFAULT_FEATURE_SET else "cascade"
     probe = Calibrator(features, C=C)
     if "first_stage_logit" not in probe.features:

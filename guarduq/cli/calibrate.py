@@ -90,6 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "across them: better inside one kind of traffic, blind to which kind a "
                    "question is, so weaker on a mix like the calibration data "
                    "(docs/results/risk.md)")
+    c.add_argument("--per-dataset", action="store_true",
+                   help="besides the pooled risk model, one per --dataset kind with enough answers, "
+                   "served to replies whose traffic group (policy groups: an API key, metadata.group, "
+                   "guarduq.traffic_group) is that kind's name; every other reply gets the pooled risk. "
+                   "Thresholds are certified on the risk as served (docs/results/scale/)")
     c.add_argument("--C", dest="C", default="cv",
                    help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
                    "by stratified cross-validation")
@@ -233,7 +238,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.cascade_on is not None:
         return _cmd_cascade(args, C, alphas)
     rule = args.features if args.features in FEATURE_RULES else None
-    for flag, wanted in ((f"--features {rule}", rule), ("--within-datasets", args.within_datasets)):
+    if args.per_dataset and args.within_datasets:
+        raise InputError("--per-dataset and --within-datasets are exclusive: a model per kind, or one "
+                         "model learned inside the kinds")
+    for flag, wanted in ((f"--features {rule}", rule), ("--within-datasets", args.within_datasets),
+                         ("--per-dataset", args.per_dataset)):
         if wanted and len(set(args.dataset)) < 2:
             raise InputError(f"{flag} compares datasets: give at least 2 --dataset/--data pairs "
                              "of different kinds")
@@ -269,7 +278,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if rule:
         features = _apply_rule(rule, parts["fit"], C)
-    cal = Calibrator(features, C=C, within_groups=args.within_datasets, model_name=guard.info.name,
+    cal = Calibrator(features, C=C, within_groups=args.within_datasets, per_group=args.per_dataset,
+                     model_name=guard.info.name,
                      model_fingerprint=guard.info.fingerprint, model_source=guard.info.source)
     if rule:
         cal.feature_set = rule  # the artifact records how its features were chosen
@@ -277,7 +287,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     cal.fit(*_xy(parts["fit"]), sample_weight=weights)  # the 3rd column, each item's dataset: --within-datasets
     if weights is not None:
         uniform_reference(cal, ok, datasets)
-    cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta)
+    by_kind = {k: _xy(v)[2] if args.per_dataset else None for k, v in parts.items()}  # served risk
+    cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta, groups=by_kind["threshold"])
     if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
         cal.group_thresholds_ = group_certificates(cal, parts, datasets, alphas, args.delta)
     reviews = weights is not None  # labels that count: the uniform sample's
@@ -285,7 +296,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         cal.thresholds_, parts["threshold"], n_labels=n_uniform if reviews else len(ok),
         threshold_fraction=args.threshold_fraction,
         unit="labels of the uniform sample" if reviews else "labelled answers"))
-    evaluation = cal.evaluate(*_xy(parts["test"]))
+    evaluation = cal.evaluate(*_xy(parts["test"]), groups=by_kind["test"])
     cal.attach_evaluation(evaluation)
     if not reviews:  # reviews: the uniform sample per traffic group (uniform_reference)
         cal.drift_reference_ = reference_data([r.scores for r in ok], [r.dataset for r in ok])
@@ -319,6 +330,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     payload["parameter_set"] = cal.parameter_set_
     payload["C"] = {"chosen": cal.C_, "cv": cal.cv_}
     payload["within_datasets"] = cal.groups_
+    if cal.per_group:  # which kinds got a model of their own, and why the others did not
+        payload["per_dataset"] = {"models": {g: m.n_fit for g, m in cal.group_models_.items()},
+                                  "pooled_for": cal.group_fallback_}
     shape = _sve_shape(ok) if sve is not None else None
     payload["forward_equivalents"] = forward_equivalents(cal.features, shape)  # work per answer
     if sve is not None:

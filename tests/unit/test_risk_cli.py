@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,11 +107,15 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_m
     # fit split with each item's dataset as its group (same cached scores, nothing rescored).
     assert main(["calibrate", *common, *one, "--within-datasets", "--out", str(tmp_path / "x.json")]) == 2
     assert "--within-datasets compares datasets" in capsys.readouterr().err
-    out_w = tmp_path / "within.json"
-    assert main(["calibrate", *common, *two, "--limit", "arc=50", "--features", "likelihood",
-                 "--within-datasets", "--C", "0.3", "--json", "--out", str(out_w)]) == 0
-    res_w = json.loads(capsys.readouterr().out)
-    cal_w = Calibrator.load(out_w)
+
+    def fitted(flag: str) -> tuple[dict[str, Any], Calibrator]:
+        """Calibrate on the two cached datasets with ``flag``: the JSON printed and the artifact."""
+        out = tmp_path / f"{flag.strip('-')}.json"
+        assert main(["calibrate", *common, *two, "--limit", "arc=50", "--features", "likelihood",
+                     flag, "--C", "0.3", "--json", "--out", str(out)]) == 0
+        return json.loads(capsys.readouterr().out), Calibrator.load(out)
+
+    res_w, cal_w = fitted("--within-datasets")
     assert res_w["within_datasets"] == cal_w.groups_ == ["arc", "jsonl"]
     fit_scores = [s for g in groups.values() for s in g[0]]
     fit_labels = [y for g in groups.values() for y in g[1]]
@@ -119,6 +124,15 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_m
     by_hand = Calibrator("likelihood", C=0.3, within_groups=True).fit(fit_scores, fit_labels, groups=fit_names)
     for f, c in by_hand.coefficients().items():
         assert cal_w.coefficients()[f] == pytest.approx(c, abs=1e-9)
+    # --per-dataset: a model per kind where the fit split holds enough of it (here neither does),
+    # the reason in the artifact and the JSON; exclusive with --within-datasets.
+    assert main(["calibrate", *common, *two, "--per-dataset", "--within-datasets", "--out", str(tmp_path / "x.json")]) == 2
+    assert "exclusive" in capsys.readouterr().err
+    res_g, cal_g = fitted("--per-dataset")
+    assert cal_g.per_group and cal_g.group_models_ == {} and set(cal_g.group_fallback_) == {"arc", "jsonl"}
+    assert res_g["per_dataset"] == {"models": {}, "pooled_for": cal_g.group_fallback_}
+    plain = Calibrator("likelihood", C=0.3).fit(fit_scores, fit_labels)
+    np.testing.assert_allclose(cal_g.predict_risk(fit_scores, fit_names), plain.predict_risk(fit_scores), rtol=1e-9)
 
 
 def test_guard_serves_a_p_true_calibrator(llama, tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -100,7 +100,7 @@ def test_a_model_per_dataset_is_compared_with_the_datasets_error_rates(tmp_path:
     # Inside each dataset log p̄ ranks: per-dataset fits beat the pooled one, which the confound
     # misleads, and beat knowing the dataset alone.
     assert res["within"]["vs_pooled"][1] > 0 and res["within"]["vs_base_rate"][1] > 0.02
-    assert res["within"]["fallback"] == []
+    assert res["within"]["pooled_for"] == {}
     # Only the error rates differ: a model per dataset adds nothing to knowing the dataset.
     assert res["between"]["base_rate"][0] > 0.7
     assert res["between"]["vs_base_rate"][1] < 0 < res["between"]["vs_base_rate"][2]
