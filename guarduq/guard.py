@@ -42,7 +42,7 @@ from guarduq.models import (
 )
 from guarduq.policy import Policy, SecondOpinionProvider, make_signals
 from guarduq.policy.audit import AuditLog, make_record
-from guarduq.policy.context import current_group, group_of, in_force
+from guarduq.policy.context import current_group, group_of, in_force, risk_group
 from guarduq.response import GuardedResponse, invalid_scores  # noqa: F401 - re-exported: guard's names
 from guarduq.scoring import reuse
 from guarduq.scoring.parameters import resolve_selection
@@ -405,7 +405,8 @@ class Guard:
         pair = self.decider  # read once: a reload never pairs an old policy with a new calibrator
         policy, calibrator = pair.policy, pair.calibrator
         group = current_group() or group_of(policy)  # traffic_group(...), else the policy's default
-        calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator), group)
+        calibrated = calibrated_signals(calibrator, r.scores, self._costly_features(r, calibrator),
+                                        risk_group(policy, calibrator, group))
         case = self.drift.case() if self.drift is not None else None
         ctx = in_force(policy, calibrator, group, case.label if case is not None else None)
         decision = None

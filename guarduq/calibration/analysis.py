@@ -139,7 +139,8 @@ def fit_and_test(
 
     ``fit_groups`` (the dataset of each fit item) makes it a within-dataset fit; ``per_group``
     (each item's group in each split: ``fit``, ``threshold``, ``test``) a fit with a model per
-    group, served and certified with each item's group. ``error`` is set
+    group, served with each item's group (``group_guarantees``: each modelled group's own
+    certificate on its test items). ``error`` is set
     instead of the metrics when the fit split cannot be fitted (too few items, one class): the
     caller reports a dash, not a crash.
     """
@@ -171,8 +172,12 @@ def fit_and_test(
             cal.fit_thresholds(threshold[0], threshold[1], alphas=alphas, delta=delta, groups=g.get("threshold"))
         except CalibrationError as exc:
             out["threshold_error"] = str(exc)
-        else:
-            out["guarantees"] = check_guarantees(cal.thresholds_, risk, y)
+        else:  # each certificate checked on the risk it was certified on
+            out["guarantees"] = check_guarantees(cal.thresholds_, cal.predict_risk(test[0]) if per_group else risk, y)
+            if per_group:
+                tg = np.asarray(g["test"], dtype=object)
+                out["group_guarantees"] = {name: check_guarantees(ts, risk[tg == name], y[tg == name])
+                                           for name, ts in cal.group_thresholds_.items()}
     return out
 
 

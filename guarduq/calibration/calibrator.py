@@ -70,6 +70,7 @@ from guarduq.calibration.features import (
 from guarduq.calibration.group_models import (
     GroupModel,
     apply_group_models,
+    certify_group_models,
     fit_group_models,
     group_array,
     models_from_json,
@@ -243,8 +244,10 @@ class Calibrator:
         self.pipeline_ = pipe
         self.C_ = C
         self._fit_groups(scores, labels, groups, sample_weight)
-        # Kept in memory only, for fit_thresholds to learn where its test should start.
-        self.fit_risk_, self.fit_wrong_ = self.predict_risk(scores, groups)[ok], target
+        # Kept in memory only, for fit_thresholds to learn where its tests should start.
+        self.fit_risk_, self.fit_wrong_ = pipe.predict_proba(X)[:, 1], target
+        g = group_array(groups, len(scores)) if self.per_group else None
+        self.fit_groups_ = None if g is None else (g[ok], self.predict_risk(scores, groups)[ok])
         self.n_fit_ = int(y.size)
         self.reference_ = reference_quantiles(
             [sc for sc, keep in zip(scores, ok, strict=True) if keep], drift_features(self.features)
@@ -346,13 +349,20 @@ class Calibrator:
         delta: float = 0.1,
         groups: Sequence[str | None] | None = None,
     ) -> list[Threshold]:
-        """Choose one guaranteed threshold per alpha on labelled data *not* used by ``fit``
-        (``groups``: each item's traffic group, so the risk certified is the risk served)."""
+        """Choose one guaranteed threshold per alpha on labelled data *not* used by ``fit``.
+
+        The pooled thresholds are certified on the pooled risk, which every reply without a
+        certified group model is served. A ``per_group`` calibrator given each item's
+        ``groups`` also certifies each modelled group on its own items and its own model's risk
+        (``group_thresholds_``, as :mod:`~guarduq.calibration.groups` does for traffic groups);
+        a group model serves only where that certificate holds (``policy.context.risk_group``)."""
         self._check_fitted()
         scores = list(scores)
         y = _labels(labels, len(scores))
         _, ok = feature_matrix(scores, self.features)
-        risk = self.predict_risk(scores, groups)[ok]
+        if self.per_group and groups is not None:
+            self._certify_group_models(scores, y, ok, groups, alphas, delta)
+        risk = self.predict_risk(scores)[ok]
         wrong = 1 - y[ok]
         if wrong.size == 0:
             raise CalibrationError("no valid items to choose thresholds on")
@@ -365,6 +375,14 @@ class Calibrator:
                 log.warning("threshold_not_met", alpha=t.alpha, delta=t.delta, message=t.message)
         self._sha256 = None
         return self.thresholds_
+
+    def _certify_group_models(self, scores: list[ScoreLike], y: np.ndarray, ok: np.ndarray,
+                              groups: Sequence[str | None], alphas: Sequence[float], delta: float) -> None:
+        """Each modelled group's own certificate, on its items' risk as its model serves it."""
+        g = group_array(groups, len(scores))
+        self.group_thresholds_ = certify_group_models(
+            self.predict_risk(scores, groups)[ok], 1 - y[ok], g[ok], self.group_models_,  # type: ignore[index]
+            alphas, delta, fit=getattr(self, "fit_groups_", None), fit_wrong=getattr(self, "fit_wrong_", None))
 
     def _start(self, alpha: float, delta: float) -> float | None:
         """Where the threshold test starts, learned on the fit split (None after ``load``)."""
@@ -386,10 +404,8 @@ class Calibrator:
         scores: Sequence[ScoreLike],
         labels: Iterable[Any],
         datasets: Sequence[str] | None = None,
-        groups: Sequence[str | None] | None = None,
     ) -> Evaluation:
-        """Metrics on labelled data and whether each stored guarantee held on it (``groups``:
-        each item's traffic group, for ``predict_risk``)."""
+        """Metrics of the pooled risk on labelled data and whether each pooled guarantee held."""
         self._check_fitted()
         scores = list(scores)
         y = _labels(labels, len(scores))
@@ -400,7 +416,7 @@ class Calibrator:
         ).reshape(len(scores), len(raw_fields))
         ok &= np.isfinite(raw).all(axis=1)  # raw signals must be finite too, or AUROCs see NaNs
         signals = {k: raw[ok, j] for j, k in enumerate(raw_fields)}
-        signals["risk"] = self.predict_risk(scores, groups)[ok]
+        signals["risk"] = self.predict_risk(scores)[ok]
         ds = np.asarray(datasets, dtype=str)[ok] if datasets is not None else None
         return Evaluation.from_arrays(
             y[ok],

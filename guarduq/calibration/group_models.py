@@ -12,8 +12,10 @@ have its own logistic model, fitted on that group's items only.
 How. The pooled model is fitted as always and serves every request without a group, or whose
 group has no model of its own; each group with enough items of both kinds (:data:`MIN_GROUP_FIT`,
 :data:`MIN_GROUP_CLASS`) gets a model fitted exactly as the pooled one is (same features, C by
-the same cross-validation), on its items alone. Thresholds are then certified on the risk as
-served (each item's own group model), so the certificate covers what the decider sees.
+the same cross-validation), on its items alone. Each certificate covers the risk it is applied
+to: the pooled thresholds are certified on the pooled risk, each modelled group gets its own
+(:func:`certify_group_models`, on its items' risk from its own model), and a group model serves
+a reply only where its group is certified at the policy's alpha (``policy.context.risk_group``).
 
 Lower layer: numpy and scikit-learn only; the calibrator that fits each group is passed in.
 """
@@ -27,7 +29,9 @@ from typing import Any
 import numpy as np
 from sklearn.pipeline import Pipeline
 
+from guarduq.calibration.groups import certify_groups, group_starts
 from guarduq.calibration.logistic import fixed_pipeline
+from guarduq.calibration.thresholds import Threshold
 from guarduq.errors import CalibrationError
 
 MIN_GROUP_FIT = 40  # valid items a group needs for a model of its own
@@ -80,6 +84,24 @@ def fit_group_models(
         cal = fit_one([scores[i] for i in idx], y[idx], None if w_all is None else w_all[idx])
         models[name] = GroupModel(cal.pipeline_, cal.n_fit_, cal.C_, cal.cv_)
     return models, fallback
+
+
+def certify_group_models(
+    served: np.ndarray, wrong: np.ndarray, groups: np.ndarray, models: Mapping[str, GroupModel],
+    alphas: Sequence[float], delta: float, *, fit: tuple[np.ndarray, np.ndarray] | None = None,
+    fit_wrong: np.ndarray | None = None,
+) -> dict[str, list[Threshold]]:
+    """Each modelled group's thresholds, certified on its own items' ``served`` risk (the
+    Mondrian test of :mod:`~guarduq.calibration.groups`); ``fit`` = (groups, served risk) of the
+    fit split, where each test's second start is learned. Groups without a model get none: the
+    pooled certificate covers them, as they are served the pooled risk."""
+    def modelled(g: np.ndarray) -> list[str | None]:
+        return [x if x in models else None for x in g]
+
+    starts = None
+    if fit is not None and fit_wrong is not None:
+        starts = group_starts(fit[1], fit_wrong, modelled(fit[0]), alphas, delta)
+    return certify_groups(served, wrong, modelled(groups), alphas, delta, starts)
 
 
 def apply_group_models(

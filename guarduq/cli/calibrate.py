@@ -93,8 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--per-dataset", action="store_true",
                    help="besides the pooled risk model, one per --dataset kind with enough answers, "
                    "served to replies whose traffic group (policy groups: an API key, metadata.group, "
-                   "guarduq.traffic_group) is that kind's name; every other reply gets the pooled risk. "
-                   "Thresholds are certified on the risk as served (docs/results/scale/)")
+                   "guarduq.traffic_group) is that kind's name and whose kind is certified on its own model's "
+                   "risk; every other reply gets the pooled risk and thresholds (docs/results/scale/)")
     c.add_argument("--C", dest="C", default="cv",
                    help="inverse L2 strength of the logistic fit, or 'cv' (default) to choose it "
                    "by stratified cross-validation")
@@ -238,6 +238,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.cascade_on is not None:
         return _cmd_cascade(args, C, alphas)
     rule = args.features if args.features in FEATURE_RULES else None
+    if args.per_dataset and REVIEWS in args.dataset:
+        raise InputError("--per-dataset fits a model per QA kind; reviews are certified per traffic group already")
     if args.per_dataset and args.within_datasets:
         raise InputError("--per-dataset and --within-datasets are exclusive: a model per kind, or one "
                          "model learned inside the kinds")
@@ -287,8 +289,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     cal.fit(*_xy(parts["fit"]), sample_weight=weights)  # the 3rd column, each item's dataset: --within-datasets
     if weights is not None:
         uniform_reference(cal, ok, datasets)
-    by_kind = {k: _xy(v)[2] if args.per_dataset else None for k, v in parts.items()}  # served risk
-    cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta, groups=by_kind["threshold"])
+    kinds = _xy(parts["threshold"])[2] if args.per_dataset else None  # each kind's model certified on its own
+    cal.fit_thresholds(*_xy(parts["threshold"])[:2], alphas=alphas, delta=args.delta, groups=kinds)
     if weights is not None:  # reviews: a certificate per traffic group where its labels allow one
         cal.group_thresholds_ = group_certificates(cal, parts, datasets, alphas, args.delta)
     reviews = weights is not None  # labels that count: the uniform sample's
@@ -296,7 +298,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         cal.thresholds_, parts["threshold"], n_labels=n_uniform if reviews else len(ok),
         threshold_fraction=args.threshold_fraction,
         unit="labels of the uniform sample" if reviews else "labelled answers"))
-    evaluation = cal.evaluate(*_xy(parts["test"]), groups=by_kind["test"])
+    evaluation = cal.evaluate(*_xy(parts["test"]))  # the pooled risk, as the pooled certificate
     cal.attach_evaluation(evaluation)
     if not reviews:  # reviews: the uniform sample per traffic group (uniform_reference)
         cal.drift_reference_ = reference_data([r.scores for r in ok], [r.dataset for r in ok])
@@ -332,7 +334,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     payload["within_datasets"] = cal.groups_
     if cal.per_group:  # which kinds got a model of their own, and why the others did not
         payload["per_dataset"] = {"models": {g: m.n_fit for g, m in cal.group_models_.items()},
-                                  "pooled_for": cal.group_fallback_}
+                                  "pooled_for": cal.group_fallback_,
+                                  "certified": {g: {t.alpha: t.threshold for t in ts}
+                                                for g, ts in cal.group_thresholds_.items()}}
     shape = _sve_shape(ok) if sve is not None else None
     payload["forward_equivalents"] = forward_equivalents(cal.features, shape)  # work per answer
     if sve is not None:

@@ -5,7 +5,9 @@ pooled one the wrong statement for a reply, and the policy says what happens the
 
 - **the reply's group** (``groups``): a group with a certificate of its own (``calibrate
   --dataset reviews`` certifies per group) is decided with its own threshold; any other group
-  falls back (``groups.fallback``: the pooled threshold, or escalate/abstain);
+  falls back (``groups.fallback``: the pooled threshold, or escalate/abstain); a per-group
+  calibrator's group model gives that group's risk only where the group is certified
+  (:func:`risk_group`), so every threshold is applied to the risk it was certified on;
 - **the live drift case** (``on_drift``): while the window reads ``unseen``, or
   ``slice:<group>`` for a group with no certificate of its own, the policy's drift action
   replaces the rules (and may raise review, up to every reply).
@@ -78,6 +80,19 @@ def group_threshold(calibrator: Any, alpha: float | None, group: str | None) -> 
         if math.isclose(t.alpha, alpha):
             return None if t.threshold is None else float(t.threshold)
     return None
+
+
+def risk_group(policy: Any, calibrator: Any, group: str | None) -> str | None:
+    """The group whose own risk model serves a reply of ``group`` (``Calibrator(per_group=True)``),
+    or None for the pooled risk. A group model's risk is covered by that group's own certificate
+    only, so under a policy it serves only where the group has one at the policy's alpha; any
+    other reply gets the pooled risk, which the pooled certificate covers."""
+    if group is None or group not in (getattr(calibrator, "group_models_", None) or {}):
+        return None
+    cfg = getattr(policy, "config", None)
+    if cfg is None:  # no decision: the best risk estimate
+        return group
+    return group if group_threshold(calibrator, cfg.alpha, group) is not None else None
 
 
 @dataclass(frozen=True)

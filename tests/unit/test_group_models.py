@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,11 @@ import pytest
 from guarduq.calibration import Calibrator
 from guarduq.calibration.analysis import bootstrap_auroc
 from guarduq.calibration.group_models import MIN_GROUP_FIT
+from guarduq.calibration.groups import certify_groups, group_starts
 from guarduq.calibration.thresholds import select_threshold
 from guarduq.decider import calibrated_signals
 from guarduq.errors import ArtifactError, CalibrationError
+from guarduq.policy.context import risk_group
 
 FEATURES = "likelihood"
 
@@ -93,19 +96,32 @@ def test_invalid_rows_stay_fail_closed_and_bad_settings_are_refused() -> None:
         cal.predict_risk(scores[:3], ["easy"])
 
 
-def test_thresholds_are_certified_on_the_risk_as_served() -> None:
+def test_each_certificate_covers_the_risk_it_is_applied_to() -> None:
+    """The pooled thresholds on the pooled risk (what replies without a certified group model get);
+    each modelled group's own thresholds on its items' risk from its own model."""
     scores, labels, names = confounded(300, seed=4)
     held, held_labels, held_names = confounded(300, seed=5)
     cal = Calibrator(FEATURES, per_group=True).fit(scores, labels, groups=names)
     alphas, delta = (0.2, 0.3, 0.5), 0.1
     got = cal.fit_thresholds(held, held_labels, alphas=alphas, delta=delta, groups=held_names)
-    risk = cal.predict_risk(held, held_names)
-    want = [select_threshold(risk, 1 - held_labels, a, delta, start=cal._start(a, delta)) for a in alphas]
-    assert got == want
-    assert any(t.threshold is not None for t in got)
-    pooled = [select_threshold(cal.predict_risk(held), 1 - held_labels, a, delta, start=cal._start(a, delta))
-              for a in alphas]
-    assert [t.n_accepted for t in got] != [t.n_accepted for t in pooled]  # the served risk differs
+    pooled = cal.predict_risk(held)
+    assert got == [select_threshold(pooled, 1 - held_labels, a, delta, start=cal._start(a, delta)) for a in alphas]
+    served, g = cal.predict_risk(held, held_names), np.array(held_names)
+    fit_served = cal.predict_risk(scores, names)
+    starts = group_starts(fit_served, 1 - labels, names, alphas, delta)
+    assert cal.group_thresholds_ == certify_groups(served, 1 - held_labels, held_names, alphas, delta, starts)
+    easy = cal.group_thresholds_["easy"]
+    assert [t.n for t in easy] == [int((g == "easy").sum())] * len(alphas)
+    assert any(t.threshold is not None for t in easy)
+    # A group model serves a reply under a policy only where its group is certified at the policy's alpha.
+    policy = SimpleNamespace(config=SimpleNamespace(alpha=0.2))
+    certified = {n for n, ts in cal.group_thresholds_.items() if ts[0].threshold is not None}
+    assert certified == {"easy"}  # at 0.2, the groups that err more are not
+    for name in ("easy", "mid", "hard", "other", None):
+        want = name if name in certified else None
+        assert risk_group(policy, cal, name) == want
+    assert risk_group(None, cal, "hard") == "hard"  # no policy, no decision: the group's estimate
+    assert risk_group(policy, Calibrator(FEATURES).fit(scores, labels), "easy") is None
 
 
 def test_the_artifact_keeps_the_group_models_and_refuses_broken_ones(tmp_path: Path) -> None:

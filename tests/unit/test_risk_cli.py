@@ -130,7 +130,7 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_m
     assert "exclusive" in capsys.readouterr().err
     res_g, cal_g = fitted("--per-dataset")
     assert cal_g.per_group and cal_g.group_models_ == {} and set(cal_g.group_fallback_) == {"arc", "jsonl"}
-    assert res_g["per_dataset"] == {"models": {}, "pooled_for": cal_g.group_fallback_}
+    assert res_g["per_dataset"] == {"models": {}, "pooled_for": cal_g.group_fallback_, "certified": {}}
     plain = Calibrator("likelihood", C=0.3).fit(fit_scores, fit_labels)
     np.testing.assert_allclose(cal_g.predict_risk(fit_scores, fit_names), plain.predict_risk(fit_scores), rtol=1e-9)
 
