@@ -192,7 +192,9 @@ class Calibrator:
         of a reviewed reply) weights each item's log-loss; it is rescaled to mean 1 over the valid
         rows, so ``C`` keeps its meaning per item. Pooled fits only.
         """
-        scores = list(scores)
+        scores, labels = list(scores), list(labels)  # read twice by a per-group fit
+        sample_weight = None if sample_weight is None else list(sample_weight)
+        self.thresholds_, self.group_thresholds_ = [], {}  # certified on a model this fit replaces
         sets = {_parameter_set(s) for s in scores}
         if len(sets) > 1:
             raise CalibrationError(
@@ -360,7 +362,10 @@ class Calibrator:
         scores = list(scores)
         y = _labels(labels, len(scores))
         _, ok = feature_matrix(scores, self.features)
-        if self.per_group and groups is not None:
+        if self.per_group:
+            if groups is None:
+                raise CalibrationError("a per-group calibrator certifies each group model on its own "
+                                       "answers: pass groups= to fit_thresholds")
             self._certify_group_models(scores, y, ok, groups, alphas, delta)
         risk = self.predict_risk(scores)[ok]
         wrong = 1 - y[ok]

@@ -98,6 +98,8 @@ def fit_second_stage(
     """The second-stage calibrator of a cascade at ``alpha``: fitted on the fit split's band
     answers, its threshold certified (at ``delta``) on the threshold split's band answers. The
     band is stored in ``cascade_`` and saved with the artifact."""
+    if first.per_group:  # its served risk depends on the reply's group, which the band does not see
+        raise CalibrationError("a cascade needs a pooled first stage: this one has a model per group")
     lower = first.threshold_for(alpha)
     r_fit = first.predict_risk(fit_scores)
     band = choose_band(r_fit, lower, share)

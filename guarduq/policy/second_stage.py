@@ -24,6 +24,9 @@ def check_second_stage(
     """(so.threshold, band upper edge) of ``second``, after checking that it was fitted on
     ``first`` (sha256), at ``alpha``, for the band that starts at ``threshold``."""
     stage = getattr(second, "cascade_", None)
+    if getattr(first, "per_group", False):
+        raise PolicyError(f"policy {policy!r}: a cascade needs a pooled first-stage calibrator, not one "
+                          "with a model per group (its risk would not be the one the band was fitted on)")
     if not stage:
         raise PolicyError(f"policy {policy!r}: second_calibrator is not a cascade's second stage "
                           "(fit one with guarduq calibrate --cascade-on)")

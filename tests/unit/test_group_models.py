@@ -175,3 +175,23 @@ def test_the_decider_and_a_guard_in_a_traffic_group_serve_that_groups_model(tmp_
         support = guard.guarded("hello", "a reply")
     assert legal.risk == pytest.approx(1.0) and plain.risk is not None and plain.risk < 0.99
     assert support.risk == plain.risk
+
+
+def test_a_refit_drops_stale_certificates_and_a_cascade_refuses_a_per_group_first_stage() -> None:
+    from guarduq.calibration.cascade import fit_second_stage
+    from guarduq.errors import PolicyError
+    from guarduq.policy.second_stage import check_second_stage
+
+    scores, labels, names = confounded(200, seed=8)
+    cal = Calibrator(FEATURES, per_group=True).fit(scores, iter(labels.tolist()), groups=names)  # labels read twice
+    assert sorted(cal.group_models_) == ["easy", "hard", "mid"]
+    cal.fit_thresholds(scores, labels, alphas=(0.5,), groups=names)
+    assert cal.thresholds_ and cal.group_thresholds_
+    cal.fit(scores[::-1], labels[::-1], groups=names[::-1])  # a new model: its certificates are gone
+    assert cal.thresholds_ == [] and cal.group_thresholds_ == {}
+    with pytest.raises(CalibrationError, match="pass groups= to fit_thresholds"):
+        cal.fit_thresholds(scores, labels, alphas=(0.5,))
+    with pytest.raises(CalibrationError, match="pooled first stage"):
+        fit_second_stage(cal, scores, labels, scores, labels, alpha=0.5, delta=0.1)
+    with pytest.raises(PolicyError, match="pooled first-stage"):
+        check_second_stage("p", 0.5, SimpleNamespace(cascade_={"alpha": 0.5}), cal, None)
