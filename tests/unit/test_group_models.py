@@ -195,3 +195,37 @@ def test_a_refit_drops_stale_certificates_and_a_cascade_refuses_a_per_group_firs
         fit_second_stage(cal, scores, labels, scores, labels, alpha=0.5, delta=0.1)
     with pytest.raises(PolicyError, match="pooled first-stage"):
         check_second_stage("p", 0.5, SimpleNamespace(cascade_={"alpha": 0.5}), cal, None)
+
+
+def test_under_a_policy_a_group_model_serves_only_a_certified_group(tmp_path: Path) -> None:
+    """Both groups have a model that calls every reply wrong; only ``legal`` is certified at the
+    policy's alpha, so ``support`` gets the pooled risk and the pooled threshold (its fallback)."""
+    from dataclasses import asdict
+
+    from guarduq import Guard
+    from guarduq.models import fingerprint
+    from guarduq.policy import traffic_group
+    from tests.conftest import make_tokenizer, tiny_llama
+    from tests.unit.test_in_force import POLICY, _threshold
+    from tests.unit.test_reload import fitted_calibrator_doc
+
+    model = tiny_llama()
+    doc = fitted_calibrator_doc(fingerprint(model))
+    k = len(doc["features"])
+    sure_wrong = {"scaler": {"mean": [0.0] * k, "scale": [1.0] * k},
+                  "logistic": {"coef": [0.0] * k, "intercept": 30.0, "C": 1.0}, "n_fit": 50}
+    doc |= {"format_version": 4, "group_models": {"legal": sure_wrong, "support": sure_wrong}, "group_fallback": {},
+            "thresholds": [asdict(_threshold(1.0))],  # the pooled rule allows everything
+            "group_thresholds": {"legal": [asdict(_threshold(0.5))], "support": [asdict(_threshold(None))]}}
+    (tmp_path / "cal.json").write_text(json.dumps(doc))
+    (tmp_path / "p.yaml").write_text(json.dumps(POLICY))
+    guard = Guard((model, make_tokenizer()), policy=tmp_path / "p.yaml")
+    plain = guard.guarded("hello", "a reply")
+    with traffic_group("legal"):
+        legal = guard.guarded("hello", "a reply")
+    with traffic_group("support"):
+        support = guard.guarded("hello", "a reply")
+    assert legal.risk == pytest.approx(1.0) and legal.decision is not None and legal.decision.action == "abstain"
+    assert plain.risk is not None and plain.risk < 0.99
+    assert support.risk == plain.risk and support.decision is not None and support.decision.action == "allow"
+    assert support.in_force is not None and support.in_force.certificate != "group"

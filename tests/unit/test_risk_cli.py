@@ -135,6 +135,40 @@ def test_sign_stable_rule_picks_features_on_the_fit_split(tmp_path: Path, tiny_m
     np.testing.assert_allclose(cal_g.predict_risk(fit_scores, fit_names), plain.predict_risk(fit_scores), rtol=1e-9)
 
 
+def test_per_dataset_fits_and_certifies_each_kind_on_its_own_answers(
+        tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from guarduq.calibration.groups import certify_groups, group_starts
+    from guarduq.calibration.splits import split_of
+
+    for name, n in (("arc", 150), ("csqa", 160)):  # one multiple-choice format, two kinds
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({**r, "id": f"{name}{r['id']}"}) + "\n" for r in _arc_rows(n)))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--no-progress", "--runs-dir", str(tmp_path / "runs"),
+                 "--allow-uncertified", "--dataset", "arc", "--data", str(tmp_path / "arc.jsonl"),
+                 "--dataset", "commonsenseqa", "--data", str(tmp_path / "csqa.jsonl"), "--alpha", "0.7",
+                 "--alpha", "0.8", "--features", "likelihood", "--C", "0.3", "--per-dataset", "--json",
+                 "--out", str(out)]) == 0
+    res, cal = json.loads(capsys.readouterr().out), Calibrator.load(out)
+    assert sorted(cal.group_models_) == ["arc", "commonsenseqa"] and cal.group_fallback_ == {}
+    by: dict[str, dict[str, list]] = {"fit": {}, "threshold": {}}
+    for cache in (tmp_path / "runs" / "cache").rglob("*.jsonl"):
+        for r in ScoreCache(cache).entries.values():
+            if r.usable and (part := split_of(r.id)) in by:
+                for key, value in (("scores", r.scores), ("wrong", 1 - int(r.label)), ("kind", r.dataset)):
+                    by[part].setdefault(key, []).append(value)
+    # Each kind's certificate, by hand: the Mondrian test on that kind's threshold-split answers,
+    # risk from its own model, each test's start learned on the fit split.
+    fit, held = by["fit"], by["threshold"]
+    starts = group_starts(cal.predict_risk(fit["scores"], fit["kind"]), np.array(fit["wrong"]), fit["kind"],
+                          (0.7, 0.8), 0.1)
+    want = certify_groups(cal.predict_risk(held["scores"], held["kind"]), held["wrong"], held["kind"], (0.7, 0.8),
+                          0.1, starts)
+    assert cal.group_thresholds_ == want
+    assert res["per_dataset"]["certified"] == {g: {str(t.alpha): t.threshold for t in ts} for g, ts in want.items()}
+    assert [t.n for t in want["arc"]] == [held["kind"].count("arc")] * 2
+
+
 def test_guard_serves_a_p_true_calibrator(llama, tokenizer) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
 
