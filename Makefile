@@ -248,10 +248,13 @@ calibrator-qwen-0.5b: model-qwen-0.5b
 	@$(call scale_calibrator,qwen2.5-coder-0.5b-instruct)
 calibrator-qwen-1.5b: model-qwen-1.5b
 	@$(call scale_calibrator,qwen2.5-coder-1.5b-instruct)
+# QWEN_CAL_EXTRA=--per-dataset adds a risk model per QA kind, served to replies whose traffic group
+# names it (pooled over the seven sets, the risk ranks no better than the kind: docs/results/scale/).
+QWEN_CAL_EXTRA ?=
 define scale_calibrator
 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) --model $(1) $(QA_SETS) --limit $(QWEN_CAL_LIMIT) \
   $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 --parameter-set $(QWEN_CAL_SET) \
-  --runs-dir $(SCALE_RUNS) --out policies/calibrators/$(1).json --report docs/calibration/$(1) && \
+  --runs-dir $(SCALE_RUNS) --out policies/calibrators/$(1).json --report docs/calibration/$(1) $(QWEN_CAL_EXTRA) && \
 $(VENV)/bin/guarduq policy init --force --calibrator policies/calibrators/$(1).json --out policies/$(1).yaml
 endef
 

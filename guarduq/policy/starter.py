@@ -57,7 +57,7 @@ def starter_policy(calibrator: Any, calibrator_path: Path, out: Path, alpha: flo
 # over the calibration draw. It says nothing about a single answer, or about traffic unlike the
 # calibration data (README: "What the guarantee promises").
 #
-# Check it:  guarduq policy check --strict {out.name}
+{_kinds(calibrator, alpha)}# Check it:  guarduq policy check --strict {out.name}
 name: {_yaml_str(name)}
 version: "1.0"
 description: Answer when the calibrated risk is within the alpha = {alpha:g} certified threshold, abstain otherwise.
@@ -80,6 +80,21 @@ rules:
       I'm not confident enough to answer this reliably
       (estimated chance of a wrong answer: {{risk:.0%}}).
 """
+
+
+def _kinds(calibrator: Any, alpha: float) -> str:
+    """For a calibrator with a risk model per kind of traffic: which kinds are served by their own
+    model at ``alpha`` (those with a certificate of their own) and how a reply names its kind."""
+    models = sorted(getattr(calibrator, "group_models_", None) or {})
+    if not models:
+        return ""
+    own = [g for g in models if any(math.isclose(t.alpha, alpha) and t.threshold is not None
+                                    for t in calibrator.group_thresholds_.get(g, ()))]
+    return (f"# Risk models per kind of traffic: {', '.join(models)}; at alpha {alpha:g} "
+            f"{', '.join(own) if own else 'none'} {'is' if len(own) == 1 else 'are'} certified on their own\n"
+            "# and decided by their own model and threshold, every other reply by the pooled ones. A reply\n"
+            "# names its kind with guarduq.policy.traffic_group(...) in Python; for `guarduq serve`, add\n"
+            "# groups: {from_key: true} (API key names) or {from_metadata: true} (trusted clients).\n#\n")
 
 
 def _yaml_str(text: str) -> str:

@@ -80,3 +80,22 @@ def test_init_refuses_a_calibrator_that_certifies_nothing(tmp_path: Path, capsys
     out = tmp_path / "p.yaml"
     assert main(["policy", "init", "--calibrator", str(path), "--out", str(out)]) == 2
     assert "certifies no alpha" in capsys.readouterr().err and not out.exists()
+
+
+def test_init_on_a_per_group_calibrator_says_which_kinds_its_own_models_decide(tmp_path: Path) -> None:
+    from tests.unit.test_group_models import confounded
+
+    scores, labels, names = confounded(300, seed=9)
+    held, held_labels, held_names = confounded(300, seed=10)
+    cal = Calibrator("likelihood", per_group=True, model_name="m", model_fingerprint="ef" * 16)
+    cal.fit(scores, labels, groups=names).fit_thresholds(held, held_labels, alphas=(0.4, 0.5), groups=held_names)
+    cal.save(tmp_path / "cal.json")
+    out = tmp_path / "mine.yaml"
+    assert main(["policy", "init", "--calibrator", str(tmp_path / "cal.json"), "--out", str(out)]) == 0
+    alpha = Policy.from_yaml(out).config.alpha
+    own = [g for g, ts in sorted(cal.group_thresholds_.items())
+           if any(t.alpha == alpha and t.threshold is not None for t in ts)]
+    assert own and len(own) < 3  # some kinds certified on their own at that alpha, not all
+    text = out.read_text()
+    assert f"# Risk models per kind of traffic: easy, hard, mid; at alpha {alpha:g} {', '.join(own)}" in text
+    assert main(["policy", "check", "--strict", str(out)]) == 0
