@@ -172,14 +172,10 @@ def _page(res: dict[str, Any]) -> list[str]:
         "of each parameter set's scores. Differences are paired bootstraps against all parameters "
         "on the same test items.",
         "",
-        "| parameters | log_epistemic AUROC | vs all | risk AUROC | vs all | ECE | "
-        + " | ".join(f"cost @ {t:,} tokens" for t in toks) + " |",
+        "| parameters | log_epistemic AUROC | vs all | risk AUROC | vs all | ECE |"
+        + "".join(f" cost @ {t:,} tokens |" for t in toks),
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(toks),
     ]
-    singles = sorted(res["singles"].items(), key=lambda kv: -(kv[1][0] or 0))
-    lines += ["", f"Every single signal of the all-parameter pass on the same {res['n_test']} test items "
-              "(each oriented by its prior direction; bootstrap 95% intervals): "
-              + "; ".join(f"{f} {_ci(v)}" for f, v in singles) + "."]
     dropped = {n: r["dropped_features"] for n, r in sets.items() if r.get("dropped_features")}
     for name, r in sets.items():
         if "error" in r:
@@ -187,9 +183,13 @@ def _page(res: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"| {name} | {_ci(r['epistemic'])} | {_ci(r['epistemic_diff'], True)} | {_ci(r['risk'])} | "
-            f"{_ci(r['risk_diff'], True)} | {_f(r['ece'])} | "
-            + " | ".join(f"{r['cost'][t]:.2f}×" if t in r["cost"] else "–" for t in toks) + " |"
+            f"{_ci(r['risk_diff'], True)} | {_f(r['ece'])} |"
+            + "".join(f" {r['cost'][t]:.2f}× |" if t in r["cost"] else " – |" for t in toks)
         )
+    singles = sorted(res["singles"].items(), key=lambda kv: -(kv[1][0] or 0))
+    lines += ["", f"Every single signal of the all-parameter pass on the same {res['n_test']} test items "
+              "(each oriented by its prior direction; bootstrap 95% intervals): "
+              + "; ".join(f"{f} {_ci(v)}" for f, v in singles) + "."]
     for n, d in dropped.items():
         lines += ["", f"`{n}` has no block in its profile, so its risk is fitted without {', '.join(d)}."]
     datasets = list(next(iter(sets.values())).get("cells", {}))
