@@ -50,6 +50,8 @@ SETS: dict[str, dict[str, Any]] = {
 COST_LENGTHS = (100, 1000, 4000)
 
 
+NOT_RUN = "Not measured in this run (its `--parts` / `--memory-modes` left this out)."
+
 def documents() -> list[str]:
     path = DATA / "boolq" / "dev.jsonl"
     with path.open() as f:
@@ -282,20 +284,25 @@ def render(res: dict[str, Any]) -> str:
         lines.append(f"| {r['tokens']:,} | {cell(r, 'forward')} | {cell(r, 'unguarded')} | {cell(r, 'default')} | "
                      f"{ratio(r, 'default')} | {cell(r, 'all_checkpointed')} | {ratio(r, 'all_checkpointed')} | {cell(r, 'all')} | "
                      f"{ratio(r, 'all')} |")
-    lines += ["", "The same two calls with glibc's `MALLOC_MMAP_THRESHOLD_=65536` in the environment (freed "
-              "activations go back to the system instead of staying in the heap), and the seconds each took:", "",
-              "| prompt tokens | no-grad forward | all parameters, checkpointed | ratio to forward | "
-              "seconds, default allocator → fixed threshold |", "|---:|---:|---:|---:|---:|"]
+    rows = []
     for r in res["memory"]:
         f, c = r.get("forward+mmap"), r.get("all_checkpointed+mmap")
         if f is None or c is None:
             continue
         secs = f"{r['all_checkpointed']['seconds']:.1f} s → {c['seconds']:.1f} s" if "all_checkpointed" in r else "–"
-        lines.append(f"| {r['tokens']:,} | {cell(r, 'forward+mmap')} | {cell(r, 'all_checkpointed+mmap')} | "
-                     f"{c['peak'] / f['peak']:.2f}× | {secs} |")
+        rows.append(f"| {r['tokens']:,} | {cell(r, 'forward+mmap')} | {cell(r, 'all_checkpointed+mmap')} | "
+                    f"{c['peak'] / f['peak']:.2f}× | {secs} |")
+    lines += ["", "The same two calls with glibc's `MALLOC_MMAP_THRESHOLD_=65536` in the environment (freed "
+              "activations go back to the system instead of staying in the heap), and the seconds each took:", "",
+              *(["| prompt tokens | no-grad forward | all parameters, checkpointed | ratio to forward | "
+                 "seconds, default allocator → fixed threshold |", "|---:|---:|---:|---:|---:|", *rows]
+                if rows else [NOT_RUN])]
     lines += ["", "## Scoring cost per parameter set (teacher forcing, scoring / no-grad forward)", ""]
     names = [k for k in (res["scoring"] or [{}])[0] if k not in ("forward_s", "tokens")]
-    lines += ["| tokens | forward | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+    if res["scoring"]:
+        lines += ["| tokens | forward | " + " | ".join(names) + " |", "|---:|---:|" + "---:|" * len(names)]
+    else:
+        lines.append(NOT_RUN)
     for r in res["scoring"]:
         lines.append(f"| {r['tokens']:,} | {r['forward_s']:.2f} s | "
                      + " | ".join(f"{r[n] / r['forward_s']:.2f}×" for n in names) + " |")
