@@ -119,8 +119,8 @@ class Calibrator:
     (an alias, an absolute path or a hub id) that loads that model again. Fitted state ends in
     ``_`` (``C_`` is the strength used, ``cv_`` the CV record, ``groups_`` the groups fitted
     within, ``group_models_`` / ``group_fallback_`` the per-group models and the groups the pooled
-    model serves with the reason, ``parameter_set_`` the parameters the fitted scores' gradient covered: scores over
-    any other set are refused, as their epistemic is another quantity).
+    model serves with the reason, ``parameter_set_`` the parameters the fitted scores' gradient
+    covered: scores over any other set are refused, as their epistemic is another quantity).
     """
 
     def __init__(
