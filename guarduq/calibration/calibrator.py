@@ -75,6 +75,7 @@ from guarduq.calibration.group_models import (
     group_array,
     models_from_json,
     models_to_json,
+    require_groups,
 )
 from guarduq.calibration.logistic import (
     choose_C,
@@ -207,8 +208,8 @@ class Calibrator:
         if missing and scores:
             raise CalibrationError("; ".join(missing.values()))
         X, ok = feature_matrix(scores, self.features)
-        y = _labels(labels, len(scores))
-        X, y = X[ok], y[ok]
+        y_all = _labels(labels, len(scores))
+        X, y = X[ok], y_all[ok]
         weights = normalised_weights(sample_weight, len(scores), ok, grouped=codes is not None)
         present: list[str] = []  # the groups left after invalid rows are dropped
         if codes is not None:
@@ -245,11 +246,15 @@ class Calibrator:
             log.info("calibration_within_groups", groups=self.groups_)
         self.pipeline_ = pipe
         self.C_ = C
-        self._fit_groups(scores, labels, groups, sample_weight)
+        self.group_models_, self.group_fallback_ = {}, {}
+        if self.per_group:  # a model per group that supports one
+            self.group_models_, self.group_fallback_ = fit_group_models(
+                self._fit_one, scores, y_all, ok, require_groups(groups, len(scores)), weights)
         # Kept in memory only, for fit_thresholds to learn where its tests should start.
         self.fit_risk_, self.fit_wrong_ = pipe.predict_proba(X)[:, 1], target
-        g = group_array(groups, len(scores)) if self.per_group else None
-        self.fit_groups_ = None if g is None else (g[ok], self.predict_risk(scores, groups)[ok])
+        self.fit_groups_ = None  # (groups, served risk) of the fit rows, where group certificates start
+        if self.per_group:
+            self.fit_groups_ = (require_groups(groups, len(scores))[ok], self.predict_risk(scores, groups)[ok])
         self.n_fit_ = int(y.size)
         self.reference_ = reference_quantiles(
             [sc for sc, keep in zip(scores, ok, strict=True) if keep], drift_features(self.features)
@@ -258,27 +263,10 @@ class Calibrator:
         self._sha256 = None
         return self
 
-    def _fit_groups(self, scores: list[ScoreLike], labels: Iterable[Any], groups: Sequence[str | None] | None,
-                    sample_weight: Sequence[float] | None) -> None:
-        """``per_group``: a model per group that supports one (group_models.fit_group_models)."""
-        self.group_models_, self.group_fallback_ = {}, {}
-        if not self.per_group:
-            return
-        g = group_array(groups, len(scores))
-        if g is None:
-            raise CalibrationError("per_group=True fits a model per group: pass groups= to fit "
-                                   "(each item's traffic group or dataset)")
-        _, ok = feature_matrix(scores, self.features)
-
-        def fit_one(sc: list[Any], y: np.ndarray, w: np.ndarray | None) -> Calibrator:
-            return Calibrator(self.features, C=self.C, cv_grid=self.cv_grid, cv_folds=self.cv_folds).fit(
-                sc, y, sample_weight=w)
-
-        y = _labels(labels, len(scores))
-        weights = None if sample_weight is None else np.asarray(list(sample_weight), float)[ok]
-        self.group_models_, self.group_fallback_ = fit_group_models(fit_one, scores, y, ok, g, weights)
-        log.info("calibration_per_group", models={k: m.n_fit for k, m in self.group_models_.items()},
-                 pooled_for=sorted(self.group_fallback_))
+    def _fit_one(self, scores: list[Any], labels: np.ndarray, weights: np.ndarray | None) -> Calibrator:
+        """A pooled calibrator with this one's settings, fitted on one group's items."""
+        return Calibrator(self.features, C=self.C, cv_grid=self.cv_grid, cv_folds=self.cv_folds).fit(
+            scores, labels, sample_weight=weights)
 
     def _group_codes(
         self, groups: Sequence[str] | None, n: int

@@ -58,6 +58,15 @@ def group_array(groups: Sequence[str | None] | None, n: int) -> np.ndarray | Non
     return g
 
 
+def require_groups(groups: Sequence[str | None] | None, n: int) -> np.ndarray:
+    """``groups`` as :func:`group_array` gives them; a ``CalibrationError`` when there are none."""
+    g = group_array(groups, n)
+    if g is None:
+        raise CalibrationError("per_group=True fits a model per group: pass groups= to fit "
+                               "(each item's traffic group or dataset)")
+    return g
+
+
 def fit_group_models(
     fit_one: Callable[[list[Any], np.ndarray, np.ndarray | None], Any],
     scores: Sequence[Any], y: np.ndarray, ok: np.ndarray, groups: np.ndarray,
