@@ -198,7 +198,8 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
              "test split (30%). The risk with a model per dataset is what a calibrator fitted per traffic "
              "group gives when each request's group is known (`Calibrator(per_group=True)`, `guarduq "
              "calibrate --per-dataset`): each dataset's own `same-pass` fit, the pooled one for a dataset "
-             "whose fit split is too small; each dataset's model certified on its own answers. Knowing the "
+             "whose fit split is too small; each dataset's model certified on its own answers; every modelled dataset is served its own "
+             "model here, where a policy serves only the certified ones. Knowing the "
              "group is a signal by itself, so it is compared with each dataset's error rate as well.", "", "## The scale table", "", head, sep,
              "| parameters | " + " | ".join(f"{r['n_params'] / 1e6:,.0f} M" if r["n_params"] else "–"
                                            for r in results) + " |",

@@ -191,9 +191,11 @@ class Calibrator:
         ``within_groups=True`` and ``per_group=True``.
         ``sample_weight`` (one positive number per item, e.g. the inverse inclusion probability
         of a reviewed reply) weights each item's log-loss; it is rescaled to mean 1 over the valid
-        rows, so ``C`` keeps its meaning per item. Pooled fits only.
+        rows, so ``C`` keeps its meaning per item. Not with ``within_groups``.
         """
         scores, labels = list(scores), list(labels)  # read twice by a per-group fit
+        if self.per_group:
+            require_groups(groups, len(scores))  # before anything fitted is replaced
         sample_weight = None if sample_weight is None else list(sample_weight)
         self.thresholds_, self.group_thresholds_ = [], {}  # certified on a model this fit replaces
         sets = {_parameter_set(s) for s in scores}
@@ -350,11 +352,9 @@ class Calibrator:
         scores = list(scores)
         y = _labels(labels, len(scores))
         _, ok = feature_matrix(scores, self.features)
-        if self.per_group:
-            if groups is None:
-                raise CalibrationError("a per-group calibrator certifies each group model on its own "
-                                       "answers: pass groups= to fit_thresholds")
-            self._certify_group_models(scores, y, ok, groups, alphas, delta)
+        if self.per_group and groups is None:
+            raise CalibrationError("a per-group calibrator certifies each group model on its own "
+                                   "answers: pass groups= to fit_thresholds")
         risk = self.predict_risk(scores)[ok]
         wrong = 1 - y[ok]
         if wrong.size == 0:
@@ -363,6 +363,8 @@ class Calibrator:
             select_threshold(risk, wrong, a, delta, start=self._start(a, delta))
             for a in sorted(set(alphas))
         ]
+        if self.per_group:
+            self._certify_group_models(scores, y, ok, groups, alphas, delta)  # type: ignore[arg-type]
         for t in self.thresholds_:
             if t.threshold is None:
                 log.warning("threshold_not_met", alpha=t.alpha, delta=t.delta, message=t.message)

@@ -92,6 +92,10 @@ def test_invalid_rows_stay_fail_closed_and_bad_settings_are_refused() -> None:
         Calibrator(FEATURES, per_group=True, within_groups=True)
     with pytest.raises(CalibrationError, match="pass groups="):
         Calibrator(FEATURES, per_group=True).fit(scores, labels)
+    before = cal.predict_risk(scores, names)
+    with pytest.raises(CalibrationError, match="pass groups="):  # refused before anything is replaced
+        cal.fit(scores[::-1], labels[::-1])
+    np.testing.assert_array_equal(cal.predict_risk(scores, names), before)
     with pytest.raises(CalibrationError, match="groups for"):
         cal.predict_risk(scores[:3], ["easy"])
 
