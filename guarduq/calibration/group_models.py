@@ -4,8 +4,8 @@ Why. A calibrator fitted on a mix of datasets learns how the signals separate th
 much as how they separate right from wrong answers inside one, and the two can point opposite
 ways (Simpson's paradox): Qwen2.5-Coder-1.5B answers NQ-open confidently and is wrong on 90% of
 it. Pooled over the seven QA sets its calibrated risk ranked wrong answers worse than knowing
-the dataset alone, while inside TriviaQA and NQ-open its likelihood signals reached AUROC of about 0.8-0.9
-(docs/results/scale/). Where the application knows what kind of traffic a request is (the
+the dataset alone, while inside TriviaQA and NQ-open its likelihood signals reached AUROC of
+about 0.8-0.9 (docs/results/scale/). Where the application knows what kind of traffic a request is (the
 policy's traffic groups: an API key, ``metadata.group``, ``traffic_group(...)``), each group can
 have its own logistic model, fitted on that group's items only.
 
