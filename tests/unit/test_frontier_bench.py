@@ -25,7 +25,7 @@ def tables(page: str) -> list[list[str]]:
 def test_the_frontier_page_has_a_row_per_parameter_set_in_well_formed_tables(tmp_path: Path) -> None:
     _cache(tmp_path / "m.jsonl", informative=True, n_params=1_000_000, seed=5)
     mod = load_benchmark("frontier")
-    assert mod.main(["--cache", f"m={tmp_path}/m.jsonl", "--out", str(tmp_path / "out"), "--n-boot", "50",
+    assert mod.main(["--cache", f"m={tmp_path}/m.jsonl", "--out", str(tmp_path / "out"), "--n-boot", "20",
                      "--costs", f"m={tmp_path / 'none.json'}"]) == 0
     page = (tmp_path / "out" / "frontier.md").read_text()
     found = tables(page)
