@@ -38,6 +38,7 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from guarduq.calibration.analysis import (  # noqa: E402
 )
 from guarduq.calibration.features import GRAD_PROFILE, LIKELIHOOD  # noqa: E402
 from guarduq.calibration.splits import split_of  # noqa: E402
+from guarduq.policy.context import group_threshold, risk_group  # noqa: E402
 
 ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 DELTA = 0.1
@@ -147,7 +149,7 @@ def per_group(records: list[Any], cells: dict[str, Any], pooled_risk: np.ndarray
         names[split_of(group_of(r.id))].append(r.dataset)
     split = cells["pooled"]
     m = fit_and_test(SETS[RISK_SET], split["fit"], split["test"], threshold=split["threshold"],
-                     per_group=names, alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
+                     per_group=names, keep_calibrator=True, alphas=ALPHAS, delta=DELTA, n_boot=n_boot)
     if "error" in m:
         return {"error": m["error"]}
     test_scores, y = split["test"]
@@ -163,11 +165,35 @@ def per_group(records: list[Any], cells: dict[str, Any], pooled_risk: np.ndarray
         "base_rate": bootstrap_auroc(wrong, base, n_boot=n_boot),
         "vs_base_rate": paired_bootstrap_diff(wrong, risk, base, n_boot=n_boot),
         "vs_pooled": paired_bootstrap_diff(wrong, risk, pooled_risk, n_boot=n_boot),
+        "policies": policies(m["calibrator"], test_scores, names["test"], wrong),
     }
     if best is not None:  # the pooled table's best single signal
         out["best_single"] = best
         sig = single_signals(test_scores, [best])[best]
         out["vs_best_single"] = paired_bootstrap_diff(wrong, risk, sig, n_boot=n_boot)
+    return out
+
+
+def policies(cal: Any, scores: list[Any], groups: list[str], wrong: np.ndarray) -> dict[float, dict[str, Any]]:
+    """What a policy at each alpha decides on the test split, as ``Guard`` decides: the pooled
+    calibrator alone (pooled risk and threshold) against the per-group one (a certified group's
+    own risk and threshold, every other reply the pooled ones: ``policy.context.risk_group``).
+    Accepted share and error rate among the accepted, per alpha either certifies anything."""
+    pooled = cal.predict_risk(scores)
+    out: dict[float, dict[str, Any]] = {}
+    for alpha in ALPHAS:
+        pol = SimpleNamespace(config=SimpleNamespace(alpha=alpha))
+        t = cal.threshold_for(alpha)
+        plain = pooled <= t if t is not None else np.zeros(len(scores), bool)
+        served = [risk_group(pol, cal, g) for g in groups]
+        grouped = plain.copy()
+        for i, g in enumerate(served):
+            if g is not None:
+                grouped[i] = cal.risk(scores[i], group=g) <= group_threshold(cal, alpha, g)
+        if plain.any() or grouped.any():
+            out[alpha] = {name: {"accepted": float(acc.mean()), "error_rate": float(wrong[acc].mean()) if acc.any()
+                                 else None, "n": int(acc.size)} for name, acc in (("pooled", plain), ("per_group", grouped))}
+            out[alpha]["groups_own"] = sorted({g for g in served if g is not None})
     return out
 
 
@@ -222,6 +248,16 @@ def render(results: list[dict[str, Any]], costs: dict[str, dict[str, Any]], comm
     for key, what in (("vs_pooled", "pooled risk"), ("vs_base_rate", "error rate per dataset"),
                       ("vs_best_single", "best single")):
         lines.append(f"| per-dataset risk − {what}, paired | " + " | ".join(_gain(g.get(key)) for g in pg) + " |")
+    def decided(r: dict[str, Any]) -> str:
+        rows = []
+        for a, d in sorted(r.get("per_group", {}).get("policies", {}).items(), key=lambda kv: float(kv[0])):
+            p, g = d["pooled"], d["per_group"]
+            rows.append(f"α = {float(a):g}: {p['accepted']:.0%} ({_f(p['error_rate'])}) → {g['accepted']:.0%} "
+                        f"({_f(g['error_rate'])})")
+        return "<br>".join(rows) or "nothing certified"
+
+    lines.append("| a policy at α on the test split: share answered (error rate among them), pooled → "
+                 "per-dataset calibrator | " + " | ".join(decided(r) for r in results) + " |")
     for s in SIGNALS:
         lines.append(f"| {s}, pooled | " + " | ".join(_ci(r["pooled"]["singles"].get(s)) for r in results) + " |")
     for name in ("+ log_epistemic", "+ log_epistemic_norm", "same-pass"):

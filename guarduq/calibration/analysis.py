@@ -131,6 +131,7 @@ def fit_and_test(
     C: float | str = "cv",
     fit_groups: Sequence[str] | None = None,
     per_group: Mapping[str, Sequence[str]] | None = None,
+    keep_calibrator: bool = False,
     alphas: Sequence[float] = (0.3, 0.4, 0.5),
     delta: float = 0.1,
     n_boot: int = 1000,
@@ -140,7 +141,8 @@ def fit_and_test(
     ``fit_groups`` (the dataset of each fit item) makes it a within-dataset fit; ``per_group``
     (each item's group in each split: ``fit``, ``threshold``, ``test``) a fit with a model per
     group, served with each item's group (``group_guarantees``: each modelled group's own
-    certificate on its test items). ``error`` is set
+    certificate on its test items); ``keep_calibrator`` returns the fitted calibrator too
+    (``calibrator``: not JSON). ``error`` is set
     instead of the metrics when the fit split cannot be fitted (too few items, one class): the
     caller reports a dash, not a crash.
     """
@@ -178,6 +180,8 @@ def fit_and_test(
                 tg = np.asarray(g["test"], dtype=object)
                 out["group_guarantees"] = {name: check_guarantees(ts, risk[tg == name], y[tg == name])
                                            for name, ts in cal.group_thresholds_.items()}
+    if keep_calibrator:
+        out["calibrator"] = cal
     return out
 
 

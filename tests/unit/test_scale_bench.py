@@ -104,4 +104,15 @@ def test_a_model_per_dataset_is_compared_with_the_datasets_error_rates(tmp_path:
     # Only the error rates differ: a model per dataset adds nothing to knowing the dataset.
     assert res["between"]["base_rate"][0] > 0.7
     assert res["between"]["vs_base_rate"][1] < 0 < res["between"]["vs_base_rate"][2]
-    assert "risk with a model per dataset" in (out / "scale.md").read_text()
+    # A policy as the Guard decides: on "within", the per-dataset calibrator answers far more at a
+    # strict alpha than the pooled one, and every accepted share keeps its error near its alpha.
+    pol = res["within"]["policies"]
+    assert pol["0.4"]["per_group"]["accepted"] > pol["0.4"]["pooled"]["accepted"] + 0.3
+    for model in ("within", "between"):
+        for a, d in res[model]["policies"].items():
+            for side in ("pooled", "per_group"):
+                assert d[side]["error_rate"] is None or d[side]["error_rate"] <= float(a) + 0.05, (model, a, side)
+    page = (out / "scale.md").read_text()
+    p, g = pol["0.4"]["pooled"], pol["0.4"]["per_group"]
+    shown = f"α = 0.4: {p['accepted']:.0%} ({p['error_rate']:.2f}) → {g['accepted']:.0%} ({g['error_rate']:.2f})"
+    assert "risk with a model per dataset" in page and shown in page
