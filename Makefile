@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 risk-data-scale-gemma scale-lanes scale-lane scale-lanes-stop calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 risk-data-scale-gemma scale-lanes scale-lane scale-lanes-stop scale-status calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -266,6 +266,13 @@ scale_cache = $(shell d="$(SCALE_RUNS)/cache/$(1)"; ls "$$d"/*.jsonl >/dev/null 
 SCALE_CACHES = $(foreach m,$(SCALE_MODELS),--cache '$(m)=$(call scale_cache,$(m))/*.jsonl')
 scale: $(STAMP)
 	@$(PY) benchmarks/scale.py --skip-missing $(SCALE_CACHES) $(foreach f,$(wildcard docs/results/scale/cost_*.json),--cost '$(patsubst docs/results/scale/cost_%.json,%,$(f))=$(f)')
+comma := ,
+empty :=
+space := $(empty) $(empty)
+# How far the scale caches are: answers per model and dataset against 504, and the core-hours the
+# rest should take at each set's own median seconds per answer so far (seconds, caches only).
+scale-status: $(STAMP)
+	@$(PY) benchmarks/scale_status.py --target 504 --datasets $(subst $(space),$(comma),$(QA_NAMES)) $(foreach m,$(SCALE_MODELS),--cache '$(m)=$(SCALE_RUNS)/cache/$(m)/*.jsonl')
 # What guarding the 1.5B costs on this CPU (docs/results/scale/): short answers, score_batch,
 # fp32 vs bf16 on its own cached answers (needs some of `make risk-data-qwen-1.5b`), then a
 # 4k-token prompt and scoring memory (benchmarks/long_context.py). About 90 min on one core.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -116,3 +117,21 @@ def test_a_model_per_dataset_is_compared_with_the_datasets_error_rates(tmp_path:
     p, g = pol["0.4"]["pooled"], pol["0.4"]["per_group"]
     shown = f"α = 0.4: {p['accepted']:.0%} ({p['error_rate']:.2f}) → {g['accepted']:.0%} ({g['error_rate']:.2f})"
     assert "risk with a model per dataset" in page and shown in page
+
+
+def test_scale_status_counts_what_is_left_and_prices_it_at_each_sets_own_pace(tmp_path: Path,
+                                                                              capsys: Any) -> None:
+    with (tmp_path / "m.jsonl").open("w") as f:
+        for ds, n, secs in (("a", 30, 2.0), ("b", 10, 36.0)):
+            for i in range(n):
+                rec = ScoredItem(id=f"{ds}:{i}", dataset=ds, kind="qa", prompt_hash="h", model_fingerprint="f",
+                                 response="r", label=1, scores={"valid": True}, split="fit",
+                                 seconds=secs + (i % 3 - 1))  # median secs
+                f.write(json.dumps(asdict(rec)) + "\n")
+    mod = load_benchmark("scale_status")
+    assert mod.main(["--cache", f"m={tmp_path}/m.jsonl", "--target", "40", "--datasets", "a,b,c"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["a"] == ["30", "10", "2.0", f"{10 * 2.0 / 3600:.1f}"]
+    assert rows["b"] == ["10", "30", "36.0", f"{30 * 36.0 / 3600:.1f}"]
+    assert rows["c"] == ["0", "40", "–", "–"]
+    assert rows["total"][:5] == ["40", "80", f"{(10 * 2.0 + 30 * 36.0) / 3600:.1f}", "+", "c"]
