@@ -44,6 +44,24 @@ def confounded(n: int, seed: int, groups: dict[str, tuple[float, float]] | None 
     return scores, np.array(labels), names
 
 
+def sure_wrong_model(k: int) -> dict[str, Any]:
+    """An artifact's group model over ``k`` features that calls every reply wrong (risk ~ 1)."""
+    return {"scaler": {"mean": [0.0] * k, "scale": [1.0] * k},
+            "logistic": {"coef": [0.0] * k, "intercept": 30.0, "C": 1.0}, "n_fit": 50}
+
+
+def replies(guard: Any) -> tuple[Any, Any, Any]:
+    """The same reply guarded with no group, inside ``legal`` and inside ``support``."""
+    from guarduq.policy import traffic_group
+
+    plain = guard.guarded("hello", "a reply")
+    with traffic_group("legal"):
+        legal = guard.guarded("hello", "a reply")
+    with traffic_group("support"):
+        support = guard.guarded("hello", "a reply")
+    return plain, legal, support
+
+
 def within_auroc(risk: np.ndarray, labels: np.ndarray, names: list[str]) -> float:
     g = np.array(names)
     return float(np.mean([bootstrap_auroc(1 - labels[g == n], risk[g == n], n_boot=0)[0] for n in set(names)]))
@@ -160,23 +178,17 @@ def test_the_decider_and_a_guard_in_a_traffic_group_serve_that_groups_model(tmp_
 
     from guarduq import Guard
     from guarduq.models import fingerprint
-    from guarduq.policy import traffic_group
     from tests.conftest import make_tokenizer, tiny_llama
     from tests.unit.test_reload import fitted_calibrator_doc
 
     model = tiny_llama()
     doc = fitted_calibrator_doc(fingerprint(model))  # features "paper", pooled
     k = len(doc["features"])
-    sure_wrong = {"scaler": {"mean": [0.0] * k, "scale": [1.0] * k},
-                  "logistic": {"coef": [0.0] * k, "intercept": 30.0, "C": 1.0}, "n_fit": 50}
+    sure_wrong = sure_wrong_model(k)
     (tmp_path / "cal.json").write_text(json.dumps({**doc, "format_version": 4, "group_models": {"legal": sure_wrong},
                                                    "group_fallback": {}}))
     guard = Guard((model, make_tokenizer()), calibrator=tmp_path / "cal.json")
-    plain = guard.guarded("hello", "a reply")
-    with traffic_group("legal"):
-        legal = guard.guarded("hello", "a reply")
-    with traffic_group("support"):
-        support = guard.guarded("hello", "a reply")
+    plain, legal, support = replies(guard)
     assert legal.risk == pytest.approx(1.0) and plain.risk is not None and plain.risk < 0.99
     assert support.risk == plain.risk
 
@@ -208,7 +220,6 @@ def test_under_a_policy_a_group_model_serves_only_a_certified_group(tmp_path: Pa
 
     from guarduq import Guard
     from guarduq.models import fingerprint
-    from guarduq.policy import traffic_group
     from tests.conftest import make_tokenizer, tiny_llama
     from tests.unit.test_in_force import POLICY, _threshold
     from tests.unit.test_reload import fitted_calibrator_doc
@@ -216,19 +227,14 @@ def test_under_a_policy_a_group_model_serves_only_a_certified_group(tmp_path: Pa
     model = tiny_llama()
     doc = fitted_calibrator_doc(fingerprint(model))
     k = len(doc["features"])
-    sure_wrong = {"scaler": {"mean": [0.0] * k, "scale": [1.0] * k},
-                  "logistic": {"coef": [0.0] * k, "intercept": 30.0, "C": 1.0}, "n_fit": 50}
+    sure_wrong = sure_wrong_model(k)
     doc |= {"format_version": 4, "group_models": {"legal": sure_wrong, "support": sure_wrong}, "group_fallback": {},
             "thresholds": [asdict(_threshold(1.0))],  # the pooled rule allows everything
             "group_thresholds": {"legal": [asdict(_threshold(0.5))], "support": [asdict(_threshold(None))]}}
     (tmp_path / "cal.json").write_text(json.dumps(doc))
     (tmp_path / "p.yaml").write_text(json.dumps(POLICY))
     guard = Guard((model, make_tokenizer()), policy=tmp_path / "p.yaml")
-    plain = guard.guarded("hello", "a reply")
-    with traffic_group("legal"):
-        legal = guard.guarded("hello", "a reply")
-    with traffic_group("support"):
-        support = guard.guarded("hello", "a reply")
+    plain, legal, support = replies(guard)
     assert legal.risk == pytest.approx(1.0) and legal.decision is not None and legal.decision.action == "abstain"
     assert plain.risk is not None and plain.risk < 0.99
     assert support.risk == plain.risk and support.decision is not None and support.decision.action == "allow"
