@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # clone has every answer scored so far; GUARDUQ_RUNS=DIR points them elsewhere.
 SCORES  := $(or $(GUARDUQ_RUNS),scores)
 
-.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 risk-data-scale-gemma scale-lanes scale-lane scale-lanes-stop scale-status calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
+.PHONY: demo test test-unit test-bench serve fuzz setup model model-qwen-0.5b model-qwen-1.5b risk-data-qwen-0.5b risk-data-qwen-1.5b risk-data-scale-smollm2 risk-data-scale-gemma scale-lanes scale-lane scale-lanes-stop scale-status calibrator-qwen-0.5b calibrator-qwen-1.5b scale scale-cost bf16-risk calibrator sve risk-data risk-data-gemma risk-data-costly cascade-calibrator cascade risk-costly risk long-context long-context-gemma long-context-scale frontier frontier-scale store-load drift drift-folds ensembles sve-scale risk-data-costly-scale second-opinion-scale ensembles-raw ensembles-raw-page results results-quick bench-setup lint clean-venv
 
 setup: $(STAMP)
 
@@ -285,6 +285,15 @@ scale-cost: model-qwen-1.5b
 # part alone, for a short slot (about 30 min on one core): guarded against unguarded generation,
 # and the peak memory of a no-grad forward and of guarded scoring.
 SCALE_LONG_ARGS ?=
+# What bf16 does to the calibrated risk (docs/results/scale/bf16_risk_<model>.json): the test split's
+# answers (up to BF16_N, an even share per dataset) teacher-forced again in bf16, ranked by the
+# calibrator fitted on the fp32 caches; paired AUROC and the answers that change side at each
+# certified threshold. About 6.5 s an answer on one AVX512-BF16 core (35 min at 320; 13x slower on
+# an AVX2-only CPU); resumes from $(SCALE_RUNS)/bf16/.
+BF16_N ?= 320
+bf16-risk: model-qwen-1.5b
+	@$(PY) benchmarks/bf16_risk.py --model $(SCALE_MODEL) --cache "$(SCALE_RUNS)/cache/$(SCALE_MODEL)/*.jsonl" \
+	  --n $(BF16_N) --work $(SCALE_RUNS)/bf16
 
 # Issue 24's costly features on the same caches: P(True) and the shipped SVE's second opinion
 # (`make sve`) added to COSTLY_LIMIT answers of each QA set (the hash-ordered start of

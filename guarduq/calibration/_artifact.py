@@ -152,11 +152,18 @@ def read_artifact(path: Path) -> tuple[Artifact, bytes]:
             f"reads versions {list(READABLE_VERSIONS)} (refit it or upgrade guarduq)"
         )
     try:
-        return Artifact.model_validate(doc), raw
+        art = Artifact.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise ArtifactError(f"{path}: corrupt calibrator at '{where}': {first['msg']}") from exc
+    k = len(art.features)
+    numbers = [*art.scaler.mean, *art.scaler.scale, *art.logistic.coef, art.logistic.intercept]
+    if not (len(art.scaler.mean) == len(art.scaler.scale) == len(art.logistic.coef) == k):
+        raise ArtifactError(f"{path}: parameter lengths do not match the {k} features")
+    if not all(math.isfinite(x) for x in numbers) or min(art.scaler.scale, default=1.0) <= 0:
+        raise ArtifactError(f"{path}: non-finite or invalid calibrator parameters")
+    return art, raw
 
 
 def strict_json(obj: Any) -> Any:

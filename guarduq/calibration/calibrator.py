@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,10 +62,12 @@ from guarduq.calibration.features import (
     DEFAULT_FEATURE_SET,
     ScoreLike,
     _labels,
+    as_float,
     as_score_dict,
     feature_matrix,
     missing_features,
     resolve_features,
+    score_parameter_set,
 )
 from guarduq.calibration.group_models import (
     GroupModel,
@@ -198,7 +200,7 @@ class Calibrator:
             require_groups(groups, len(scores))  # before anything fitted is replaced
         sample_weight = None if sample_weight is None else list(sample_weight)
         self.thresholds_, self.group_thresholds_ = [], {}  # certified on a model this fit replaces
-        sets = {_parameter_set(s) for s in scores}
+        sets = {score_parameter_set(s) for s in scores}
         if len(sets) > 1:
             raise CalibrationError(
                 f"the scores were taken over different parameter sets ({sorted(sets)}): "
@@ -321,7 +323,7 @@ class Calibrator:
 
     def check_parameter_set(self, scores: Iterable[ScoreLike] | str) -> None:
         """``CalibrationError`` unless ``scores`` (or a parameter-set name) match the fitted set."""
-        names = {scores} if isinstance(scores, str) else {_parameter_set(s) for s in scores}
+        names = {scores} if isinstance(scores, str) else {score_parameter_set(s) for s in scores}
         for name in names - {self.parameter_set_}:
             raise CalibrationError(
                 f"calibrator was fitted on gradients over parameters '{self.parameter_set_}', not "
@@ -407,7 +409,7 @@ class Calibrator:
         _, ok = feature_matrix(scores, self.features)
         raw_fields = [k for k in EVAL_FIELDS if k != "risk"]
         raw = np.array(
-            [[_as_float(as_score_dict(s).get(k)) for k in raw_fields] for s in scores], dtype=float
+            [[as_float(as_score_dict(s).get(k)) for k in raw_fields] for s in scores], dtype=float
         ).reshape(len(scores), len(raw_fields))
         ok &= np.isfinite(raw).all(axis=1)  # raw signals must be finite too, or AUROCs see NaNs
         signals = {k: raw[ok, j] for j, k in enumerate(raw_fields)}
@@ -534,11 +536,6 @@ class Calibrator:
     @classmethod
     def _from_artifact(cls, art: Artifact, path: Path) -> Calibrator:
         k = len(art.features)
-        numbers = [*art.scaler.mean, *art.scaler.scale, *art.logistic.coef, art.logistic.intercept]
-        if not (len(art.scaler.mean) == len(art.scaler.scale) == len(art.logistic.coef) == k):
-            raise ArtifactError(f"{path}: parameter lengths do not match the {k} features")
-        if not all(math.isfinite(x) for x in numbers) or min(art.scaler.scale) <= 0:
-            raise ArtifactError(f"{path}: non-finite or invalid calibrator parameters")
         try:
             self = cls(
                 art.features,
@@ -598,15 +595,3 @@ class Calibrator:
         name = f"{self.feature_set!r}: " if self.feature_set else ""
         return f"Calibrator(features={name}{list(self.features)}, model={self.model_name!r}, {fitted})"
 
-
-def _as_float(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _parameter_set(s: ScoreLike) -> str:
-    """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
-    value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
-    return str(value) if value else ALL_PARAMETERS

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from guarduq.errors import CalibrationError
+from guarduq.scoring.parameters import ALL_PARAMETERS
 
 # An exactly-zero gradient (p̄ saturated) would make log(epistemic) = -inf; floor it instead.
 EPISTEMIC_FLOOR = 1e-12
@@ -375,6 +376,20 @@ def as_score_dict(scores: ScoreLike) -> dict[str, Any]:
     if callable(to_dict):
         return to_dict(with_token_probs=False)
     raise CalibrationError(f"expected Scores or a mapping of scores, got {type(scores).__name__}")
+
+
+def score_parameter_set(s: ScoreLike) -> str:
+    """The parameter set a score was taken over (``Scores.parameter_set``; absent: all)."""
+    value = s.get("parameter_set") if isinstance(s, Mapping) else getattr(s, "parameter_set", None)
+    return str(value) if value else ALL_PARAMETERS
+
+
+def as_float(x: Any) -> float:
+    """``float(x)``, or NaN where x is not a number (a missing or malformed raw score)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def feature_value(d: Mapping[str, Any], name: str) -> float:
