@@ -251,9 +251,12 @@ calibrator-qwen-1.5b: model-qwen-1.5b
 # QWEN_CAL_EXTRA=--per-dataset adds a risk model per QA kind, served to replies whose traffic group
 # names it (pooled over the seven sets, the risk ranks no better than the kind: docs/results/scale/).
 QWEN_CAL_EXTRA ?=
+# The alphas a scale calibrator is certified at: SmolLM2's, and 0.75, as a model wrong on three
+# answers in four (the 0.5B) may certify nothing at 0.7 (docs/results/scale/frontier/).
+QWEN_CAL_ALPHAS ?= $(CAL_ALPHAS) 0.75
 define scale_calibrator
 $(VENV)/bin/guarduq calibrate --threads $(SCALE_THREADS) --model $(1) $(QA_SETS) --limit $(QWEN_CAL_LIMIT) \
-  $(foreach a,$(CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 --parameter-set $(QWEN_CAL_SET) \
+  $(foreach a,$(QWEN_CAL_ALPHAS),--alpha $(a)) --delta 0.1 --features $(CAL_FEATURES) --batch-size 4 --parameter-set $(QWEN_CAL_SET) \
   --runs-dir $(SCALE_RUNS) --out policies/calibrators/$(1).json --report docs/calibration/$(1) $(QWEN_CAL_EXTRA) && \
 $(VENV)/bin/guarduq policy init --force --calibrator policies/calibrators/$(1).json --out policies/$(1).yaml
 endef

@@ -242,10 +242,14 @@ def test_yaml_tags_are_not_executed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((REPO / "policies").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_policies_are_valid(path: Path) -> None:
     policy = Policy.from_yaml(path)
-    # within.yaml uses the within-dataset fit; cascade.yaml the pooled fit its second stage was
-    # fitted on (sha-bound, cascade.yaml says why); every other policy the pooled one
+    # A policy named for a model (`make calibrator-qwen-*`) uses that model's calibrator; of
+    # SmolLM2's, within.yaml uses the within-dataset fit, cascade.yaml the pooled fit its second
+    # stage was fitted on (sha-bound, cascade.yaml says why), every other policy the pooled one
     which = {"within": "within.", "cascade": "cascade-first."}.get(path.stem, "")
-    assert policy.calibrator_path == (path.parent / f"calibrators/smollm2-135m-instruct.{which}json")
+    named = path.parent / "calibrators" / f"{path.stem}.json"
+    expected = named if named.is_file() else path.parent / f"calibrators/smollm2-135m-instruct.{which}json"
+    assert policy.calibrator_path == expected
+    assert not named.is_file() or policy.config.model == path.stem
     assert policy.calibrator_path.is_file()
     # alpha is optional (default.yaml uses a plain calibrated-risk cutoff); when set it is a rate
     assert policy.alpha is None or 0 < policy.alpha < 1
