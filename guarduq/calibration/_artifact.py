@@ -178,6 +178,7 @@ def strict_json(obj: Any) -> Any:
         return strict_json(obj.item())
     return obj
 
+
 def fitted_for(path: Path, model: str | None) -> str:
     """What to pass instead for ``model``: a calibrator fitted for it beside ``path``
     (``policies/calibrators/<model>.json``) and the shipped policy that uses it
